@@ -1,0 +1,48 @@
+# zerotune: make <stage> RECIPE=<name> [ARGS="section.key=value ..."]
+RECIPE ?= tiny
+ARGS ?=
+PY := .venv/bin/python
+ZT := $(PY) -m zerotune
+export HF_HUB_OFFLINE ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup data finetune quantize check serve plan demo test test-fast bench clean help
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
+
+setup:  ## create .venv with pinned packages, llama.cpp converter and tokenizer (TORCH=cu126 for V100/T4)
+	@bash scripts/setup.sh
+
+data: setup  ## tokenize, label and pack the recipe's data once (cached by fingerprint)
+	$(ZT) prepare $(RECIPE) $(ARGS)
+
+plan: setup  ## memory, batch and time plan for the recipe's target cluster
+	$(ZT) plan $(RECIPE) $(ARGS)
+
+finetune: setup  ## train with DeepSpeed ZeRO-3 (one process per GPU, or train.cpu_procs on CPU)
+	$(ZT) train $(RECIPE) $(ARGS)
+
+quantize: setup  ## HF model -> GGUF (Q8_0 by default) with llama.cpp's converter, checked
+	$(ZT) quantize $(RECIPE) $(ARGS)
+
+check: setup  ## GGUF vs HF: held-out accuracy, KL, top-1, T4 fit, speed
+	$(ZT) check $(RECIPE) $(ARGS)
+
+serve: setup  ## OpenAI-compatible server over the GGUF on 127.0.0.1
+	$(ZT) serve $(RECIPE) $(ARGS)
+
+demo: setup  ## the whole chain on CPU: prepare -> finetune -> quantize -> check (last line: JSON summary)
+	$(ZT) prepare $(RECIPE) $(ARGS)
+	$(ZT) train $(RECIPE) $(ARGS)
+	$(ZT) quantize $(RECIPE) $(ARGS)
+	$(ZT) check $(RECIPE) $(ARGS)
+
+test: setup  ## all tests, integration included (what CI runs)
+	$(PY) -m pytest -q tests
+
+test-fast: setup  ## unit tests only (seconds)
+	$(PY) -m pytest -q -m "not integration" tests
+
+clean:  ## remove run outputs (keeps .venv and assets)
+	rm -rf runs bench/work

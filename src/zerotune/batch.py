@@ -1,0 +1,48 @@
+"""Global batch in tokens -> gradient accumulation, derived, never stated twice.
+
+The recipe states the global batch in tokens, the micro-batch and seq_len; the
+launcher states the world size. Gradient accumulation is what makes them meet,
+and must divide exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class BatchError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    global_batch_tokens: int
+    seq_len: int
+    micro_batch_size: int
+    world_size: int
+    grad_accum: int
+
+    @property
+    def tokens_per_micro_step(self) -> int:
+        return self.seq_len * self.micro_batch_size * self.world_size
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.micro_batch_size * self.world_size * self.grad_accum
+
+    def describe(self) -> str:
+        return (f"global batch {self.global_batch_tokens:,} tokens = seq_len {self.seq_len:,} x micro-batch "
+                f"{self.micro_batch_size} x world {self.world_size} x grad-accum {self.grad_accum} "
+                f"({self.sequences_per_step:,} sequences per optimizer step)")
+
+
+def derive(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int) -> BatchPlan:
+    per = seq_len * micro_batch_size * world_size
+    if global_batch_tokens % per:
+        lo = max(1, global_batch_tokens // per)
+        hi = lo + 1
+        raise BatchError(
+            f"train.global_batch_tokens={global_batch_tokens:,} is not a multiple of seq_len x micro-batch x world "
+            f"= {seq_len} x {micro_batch_size} x {world_size} = {per:,}. Nearest valid: {lo * per:,} "
+            f"(grad-accum {lo}) or {hi * per:,} (grad-accum {hi}).")
+    return BatchPlan(global_batch_tokens, seq_len, micro_batch_size, world_size, global_batch_tokens // per)

@@ -1,0 +1,232 @@
+"""`zerotune check RECIPE`: does the GGUF behave like the HF model, and does it fit a T4?
+
+1. Held-out chat prompts answered greedily by the untrained base, the trained HF
+   model and the GGUF (through the GGUF's own chat template, stopping at the
+   end-of-turn token); exact-match accuracy for each.
+2. Per-token agreement on held-out text from the prepared data: mean
+   KL(HF || GGUF), top-1 agreement and perplexity ratio.
+3. T4 fit: weights + f16 KV cache at the recipe's context against 14.6 GiB.
+4. Prompt and decode tokens/s of the GGUF on this machine.
+Writes check.json; exits 1 when a gate fails.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import manifest as mf
+from .config import Recipe, resolve_path
+from .quantize import gguf_path
+
+# Gates per GGUF type: (max mean KL nats/token, min top-1 agreement). Q8_0 must be nearly lossless.
+GATES = {"f32": (1e-4, 0.999), "f16": (1e-3, 0.99), "bf16": (5e-3, 0.98), "q8_0": (0.01, 0.98),
+         "q6_k": (0.03, 0.95), "q5_k_m": (0.05, 0.93), "q5_k_s": (0.06, 0.92), "q4_k_m": (0.1, 0.9),
+         "q4_k_s": (0.12, 0.88)}
+T4_USABLE_GIB = 14.6
+T4_OVERHEAD_GIB = 0.6  # CUDA context + llama.cpp compute buffers (measured ranges 0.3-0.8 GiB at 8K on 8B)
+
+
+def load_heldout(r: Recipe) -> list[dict]:
+    path = resolve_path(r.data.heldout)
+    if path is None or not path.exists():
+        raise FileNotFoundError(f"data.heldout: {path} not found; check needs held-out prompts with reference answers.")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            row = json.loads(line)
+            if "messages" not in row or "answer" not in row:
+                raise ValueError(f"{path.name} line {i}: needs 'messages' (the prompt) and 'answer'.")
+            rows.append(row)
+    return rows
+
+
+def hf_answers(model_dir: Path, rows: list[dict], max_new_tokens: int) -> list[str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            enc = tok.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
+                                          return_dict=True)
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eot,
+                                 pad_token_id=eot)
+            out.append(tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
+    return out
+
+
+def gguf_answers(llm, rows: list[dict], max_new_tokens: int) -> tuple[list[str], list[str]]:
+    answers, reasons = [], []
+    for row in rows:
+        res = llm.create_chat_completion(messages=row["messages"], temperature=0.0, top_k=1,
+                                         max_tokens=max_new_tokens, seed=0)
+        answers.append((res["choices"][0]["message"]["content"] or "").strip())
+        reasons.append(res["choices"][0]["finish_reason"])
+    return answers, reasons
+
+
+def accuracy(answers: list[str], rows: list[dict]) -> float:
+    return sum(a == row["answer"].strip() for a, row in zip(answers, rows)) / max(1, len(rows))
+
+
+def heldout_documents(r: Recipe, limit: int) -> list[list[int]]:
+    """Token ids of held-out documents: the prepared eval split (unpacked), else held-out prompts+answers."""
+    from datasets import load_from_disk
+
+    docs: list[list[int]] = []
+    eval_dir = r.out / "data" / "eval"
+    if eval_dir.exists():
+        for row in load_from_disk(str(eval_dir)):
+            ids, pos, labels = row["input_ids"], row["position_ids"], row["labels"]
+            starts = [i for i, p in enumerate(pos) if p == 0] + [len(ids)]
+            for a, b in zip(starts, starts[1:]):
+                if any(x != -100 for x in labels[a:b]):  # skip the padding pseudo-document
+                    docs.append(ids[a:b])
+    return docs[:limit]
+
+
+def logit_agreement(llm, model_dir: Path, docs: list[list[int]]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    kls, agree, nll_hf, nll_gg, n = [], 0, 0.0, 0.0, 0
+    for ids in docs:
+        with torch.no_grad():
+            hf = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        llm.reset()
+        llm.eval(ids)
+        gg = torch.log_softmax(torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32)), -1)
+        kl = (hf.exp() * (hf - gg)).sum(-1)  # KL(HF || GGUF) per position
+        kls.extend(kl.tolist())
+        agree += int((hf.argmax(-1) == gg.argmax(-1)).sum())
+        tgt = torch.tensor(ids[1:])
+        nll_hf += float(-hf[:-1].gather(1, tgt[:, None]).sum())
+        nll_gg += float(-gg[:-1].gather(1, tgt[:, None]).sum())
+        n += len(ids) - 1
+    return {"documents": len(docs), "positions": len(kls), "mean_kl": float(np.mean(kls)) if kls else None,
+            "max_kl": float(np.max(kls)) if kls else None, "top1_agreement": agree / max(1, len(kls)),
+            "ppl_hf": float(np.exp(nll_hf / max(1, n))), "ppl_gguf": float(np.exp(nll_gg / max(1, n))),
+            "ppl_ratio": float(np.exp((nll_gg - nll_hf) / max(1, n)))}
+
+
+def t4_fit(gguf_bytes: int, hf_config: dict, n_ctx: int) -> dict:
+    layers = hf_config["num_hidden_layers"]
+    kv_heads = hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, f16
+    weights_gib = gguf_bytes / 2**30
+    need = weights_gib + kv_per_token * n_ctx / 2**30 + T4_OVERHEAD_GIB
+    max_ctx = int((T4_USABLE_GIB - weights_gib - T4_OVERHEAD_GIB) * 2**30 // kv_per_token)
+    max_ctx = max(0, min(max_ctx, hf_config.get("max_position_embeddings", max_ctx)))
+    return {"usable_gib": T4_USABLE_GIB, "weights_gib": round(weights_gib, 3),
+            "kv_cache_kib_per_token": kv_per_token / 1024, "n_ctx": n_ctx, "needed_gib": round(need, 3),
+            "fits": need <= T4_USABLE_GIB, "max_context_that_fits": max_ctx}
+
+
+def speed(llm, n_prompt: int = 64, n_decode: int = 32) -> dict:
+    prompt = [llm.token_bos()] + [1000 + i % 5000 for i in range(n_prompt - 1)]
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    t1 = time.perf_counter()
+    tok = int(np.argmax(llm.scores[len(prompt) - 1]))
+    for _ in range(n_decode):
+        llm.eval([tok])
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t2 = time.perf_counter()
+    return {"prompt_tokens_per_s": round(n_prompt / (t1 - t0), 1), "decode_tokens_per_s": round(n_decode / (t2 - t1), 1)}
+
+
+def base_model_for_check(r: Recipe) -> Path:
+    from .train import base_model_dir
+
+    return base_model_dir(r)
+
+
+def check(r: Recipe) -> int:
+    import llama_cpp
+
+    from .train import final_model_dir
+
+    model_dir, gguf = final_model_dir(r), gguf_path(r)
+    for p, what in ((model_dir, "finetune"), (gguf, "quantize")):
+        if not p.exists():
+            raise FileNotFoundError(f"{p} not found. Run `make {what} RECIPE={r.name}` first.")
+    qtype = r.quantize.type.lower()
+    max_kl, min_top1 = GATES.get(qtype, (0.2, 0.85))
+    max_kl = r.check.max_kl if r.check.max_kl is not None else max_kl
+    min_top1 = r.check.min_top1 if r.check.min_top1 is not None else min_top1
+    rows = load_heldout(r)
+    hf_cfg = json.loads((model_dir / "config.json").read_text())
+
+    print(f"check: {len(rows)} held-out prompts, greedy, max {r.check.max_new_tokens} new tokens", flush=True)
+    base_ans = hf_answers(base_model_for_check(r), rows, r.check.max_new_tokens)
+    hf_ans = hf_answers(model_dir, rows, r.check.max_new_tokens)
+    llm = llama_cpp.Llama(str(gguf), n_ctx=min(r.check.n_ctx, 4096), logits_all=True, n_threads=None,
+                          seed=0, verbose=False)
+    try:
+        gg_ans, finish = gguf_answers(llm, rows, r.check.max_new_tokens)
+        agreement = logit_agreement(llm, model_dir, heldout_documents(r, r.check.n_kl_texts))
+        perf = speed(llm)
+    finally:
+        llm.close()  # llama-cpp-python's __del__ at interpreter exit raises otherwise
+    res = {
+        "recipe": r.name, "gguf": str(gguf), "type": qtype,
+        "base_accuracy": accuracy(base_ans, rows), "hf_accuracy": accuracy(hf_ans, rows),
+        "gguf_accuracy": accuracy(gg_ans, rows), "n_prompts": len(rows),
+        "gguf_stopped_at_end_of_turn": sum(f == "stop" for f in finish) / max(1, len(finish)),
+        "hf_gguf_answer_agreement": sum(a == b for a, b in zip(hf_ans, gg_ans)) / max(1, len(rows)),
+        "agreement": agreement, "gates": {"max_kl": max_kl, "min_top1": min_top1,
+                                          "accuracy_margin": r.check.accuracy_margin},
+        "t4": t4_fit(gguf.stat().st_size, hf_cfg, r.check.n_ctx), "speed_this_machine": perf,
+        "examples": [{"prompt": row["messages"][-1]["content"], "answer": row["answer"], "base": b, "hf": h, "gguf": g}
+                     for row, b, h, g in list(zip(rows, base_ans, hf_ans, gg_ans))[:5]],
+    }
+    failures = []
+    if res["gguf_accuracy"] < res["hf_accuracy"] - r.check.accuracy_margin:
+        failures.append(f"GGUF accuracy {res['gguf_accuracy']:.3f} trails HF {res['hf_accuracy']:.3f} by more than "
+                        f"{r.check.accuracy_margin}")
+    if agreement["mean_kl"] is not None and agreement["mean_kl"] > max_kl:
+        failures.append(f"mean KL {agreement['mean_kl']:.4g} > {max_kl} for {qtype}")
+    if agreement["mean_kl"] is not None and agreement["top1_agreement"] < min_top1:
+        failures.append(f"top-1 agreement {agreement['top1_agreement']:.4f} < {min_top1} for {qtype}")
+    res["passed"], res["failures"] = not failures, failures
+    out = r.out / "check"
+    mf.write(out / "check.json", res)
+    mf.write_resolved_recipe(out, r)
+    _print_table(res)
+    if failures:
+        print("check: FAILED: " + "; ".join(failures), flush=True)
+    summary = {k: res[k] for k in ("base_accuracy", "hf_accuracy", "gguf_accuracy")}
+    summary.update(mean_kl=agreement["mean_kl"], top1_agreement=agreement["top1_agreement"],
+                   t4_fits=res["t4"]["fits"], passed=res["passed"])
+    print(json.dumps(summary), flush=True)
+    return 0 if not failures else 1
+
+
+def _print_table(res: dict) -> None:
+    a, t, s = res["agreement"], res["t4"], res["speed_this_machine"]
+    kl = f"{a['mean_kl']:.2e}" if a["mean_kl"] is not None else "n/a"
+    lines = [
+        f"check: {res['gguf']} ({res['type']})",
+        f"  accuracy on {res['n_prompts']} held-out prompts: base {res['base_accuracy']:.3f} | "
+        f"HF {res['hf_accuracy']:.3f} | GGUF {res['gguf_accuracy']:.3f} "
+        f"(GGUF stopped at <|eot_id|> on {res['gguf_stopped_at_end_of_turn']:.0%})",
+        f"  HF vs GGUF on {a['positions']} held-out positions: mean KL {kl} nats/token "
+        f"(gate {res['gates']['max_kl']}), top-1 agreement {a['top1_agreement']:.4f} (gate {res['gates']['min_top1']}), "
+        f"perplexity ratio {a['ppl_ratio']:.4f}",
+        f"  T4: {t['weights_gib']} GiB weights + KV cache at {t['n_ctx']} tokens = {t['needed_gib']} GiB of "
+        f"{t['usable_gib']} -> {'fits' if t['fits'] else 'DOES NOT FIT'}; largest context that fits {t['max_context_that_fits']:,}",
+        f"  this machine: prompt {s['prompt_tokens_per_s']} tok/s, decode {s['decode_tokens_per_s']} tok/s",
+    ]
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,62 @@
+"""`python -m zerotune <stage> <recipe> [section.key=value ...] [--flags]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import RecipeError, explain, load_recipe
+
+STAGES = ["prepare", "train", "quantize", "check", "serve", "plan", "explain"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zerotune", description="LLM fine-tuning recipes: prepare -> train -> quantize -> check -> serve.")
+    p.add_argument("stage", choices=STAGES)
+    p.add_argument("recipe", nargs="?", default="tiny", help="recipe name in recipes/ or a path to a YAML file")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=1e-4")
+    p.add_argument("--force", action="store_true", help="prepare: rebuild the cache; train: skip the preflight plan")
+    p.add_argument("--dry-run", action="store_true", help="train: print the resolved plan and exit")
+    p.add_argument("--json", action="store_true", help="plan: machine-readable output")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)  # unknown --flags are refused by argparse
+    if args.stage == "explain":
+        print(explain())
+        return 0
+    try:
+        r = load_recipe(args.recipe, args.overrides)
+    except RecipeError as e:
+        print(f"zerotune: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    if args.stage == "prepare":
+        from .data.prepare import prepare
+        prepare(r, force=args.force)
+    elif args.stage == "train":
+        from . import train
+        if args.dry_run:
+            from .plan import dry_run
+            print(dry_run(r))
+            return 0
+        if "LOCAL_RANK" in os.environ:
+            train.worker(r)
+        else:
+            return train.launch(r, argv)
+    elif args.stage == "quantize":
+        from .quantize import quantize
+        quantize(r)
+    elif args.stage == "check":
+        from .check import check
+        return check(r)
+    elif args.stage == "serve":
+        from .serve import serve
+        return serve(r)
+    elif args.stage == "plan":
+        from .plan import plan_main
+        return plan_main(r, as_json=args.json)
+    return 0

@@ -1,0 +1,312 @@
+"""The recipe schema: one typed source of truth for every stage.
+
+A recipe is a YAML file in `recipes/`. Every field is declared here once, with
+its type, default and a one-line help text (`zerotune explain` prints them).
+Unknown keys are errors with a suggestion; values are coerced to the declared
+type because PyYAML reads `lr: 2e-5` as the string '2e-5'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RECIPES_DIR = REPO_ROOT / "recipes"
+
+
+class RecipeError(ValueError):
+    """A recipe or override is invalid; the message says where and what to do."""
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelCfg:
+    name_or_path: Optional[str] = _f(None, "HF model id or local folder with pretrained weights; null = random init from init_config")
+    init_config: Optional[str] = _f(None, "Path to a transformers config.json to initialise a model from scratch (tiny recipes)")
+    tokenizer: str = _f("assets/tokenizer/llama3_1", "Tokenizer folder or id (needs a chat template for chat data)")
+    init_seed: int = _f(1234, "Seed for random initialisation from init_config")
+
+
+@dataclass
+class SourceCfg:
+    path: str = _f("", "Local file (.jsonl/.json/.parquet/.csv) or hub dataset id")
+    format: Literal["messages", "instruction", "prompt_completion", "text"] = _f("messages", "Row format")
+    weight: float = _f(1.0, "Mixture weight: fraction of this source's rows to use (>1 repeats rows)")
+    split: str = _f("train", "Split, for hub datasets")
+    name: Optional[str] = _f(None, "Config name, for hub datasets")
+    revision: Optional[str] = _f(None, "Revision, for hub datasets")
+    columns: dict = _f({}, "Column mapping, e.g. {messages: conversations, output: response}")
+
+
+@dataclass
+class DataCfg:
+    sources: list = _f([], "List of sources (see SourceCfg)")
+    heldout: Optional[str] = _f(None, "JSONL of held-out chat prompts with reference answers, used by check")
+    seq_len: int = _f(2048, "Tokens per packed sequence (or max length unpacked)")
+    packing: bool = _f(True, "Pack documents into seq_len bins (best-fit decreasing); False = length-grouped padding")
+    loss_on: Literal["all_assistant", "last_assistant"] = _f("all_assistant", "Which assistant turns carry loss")
+    overlong: Literal["truncate", "drop"] = _f("truncate", "What to do with samples longer than seq_len")
+    on_bad_sample: Literal["error", "skip"] = _f("error", "Stop at a malformed row, or skip it and count it in the manifest")
+    num_proc: int = _f(1, "Processes for tokenization")
+    eval_fraction: float = _f(0.0, "Fraction of rows held out as validation documents")
+    seed: int = _f(0, "Shuffle/mixture seed")
+
+
+@dataclass
+class TrainCfg:
+    global_batch_tokens: int = _f(65536, "Tokens per optimizer step (all ranks, all accumulation steps); GA is derived from it")
+    micro_batch_size: int = _f(1, "Sequences per rank per forward pass")
+    epochs: float = _f(1.0, "Passes over the prepared data")
+    max_steps: int = _f(-1, "Optimizer steps; overrides epochs when > 0")
+    lr: float = _f(2e-5, "Peak learning rate")
+    min_lr_ratio: float = _f(0.1, "Final LR as a fraction of peak (cosine)")
+    warmup_ratio: float = _f(0.03, "Fraction of steps spent warming up")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta2: float = _f(0.95, "AdamW beta2")
+    max_grad_norm: float = _f(1.0, "Gradient clipping")
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = _f("auto", "auto = bf16 on sm80+, fp16 on V100/T4, fp32 on CPU")
+    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = _f("auto", "auto = flash_attention_2 on sm80+ when installed, else sdpa")
+    liger: Literal["auto", "on", "off"] = _f("auto", "Liger kernels: auto = on with a CUDA GPU, off on CPU")
+    gradient_checkpointing: bool = _f(True, "Recompute activations in backward (True = less memory)")
+    deepspeed: Optional[str] = _f("configs/deepspeed/zero3.json", "DeepSpeed JSON (Trainer-owned values stay 'auto'); null = no DeepSpeed")
+    zero: dict = _f({}, "Overrides merged into zero_optimization (memory knobs, offload)")
+    seed: int = _f(42, "Training seed")
+    logging_steps: int = _f(1, "Log every N optimizer steps")
+    save_steps: int = _f(0, "Checkpoint every N optimizer steps (0 = only at the end)")
+    save_total_limit: int = _f(2, "Checkpoints to keep")
+    report_to: Literal["none", "wandb"] = _f("none", "Experiment tracker (wandb runs offline without an API key)")
+    cpu_procs: int = _f(2, "Processes to launch when no GPU is visible (CPU runs only)")
+
+
+@dataclass
+class QuantizeCfg:
+    type: str = _f("q8_0", "GGUF type: q8_0, f16, bf16 (converter) or q4_k_m, q5_k_m, q6_k ... (quantizer)")
+
+
+@dataclass
+class CheckCfg:
+    max_new_tokens: int = _f(32, "Greedy tokens per held-out prompt")
+    accuracy_margin: float = _f(0.02, "GGUF accuracy may trail HF accuracy by at most this")
+    max_kl: Optional[float] = _f(None, "Max mean KL(HF||GGUF) nats/token; null = default for the quant type")
+    min_top1: Optional[float] = _f(None, "Min top-1 agreement; null = default for the quant type")
+    n_ctx: int = _f(8192, "Context length for the T4 fit report")
+    n_kl_texts: int = _f(16, "Held-out documents used for KL / top-1 / perplexity")
+
+
+@dataclass
+class ServeCfg:
+    host: str = _f("127.0.0.1", "Bind address (loopback by default)")
+    port: int = _f(8000, "Port")
+    n_ctx: int = _f(4096, "Context length")
+    n_gpu_layers: int = _f(0, "Layers offloaded to GPU (-1 = all)")
+    api_key: Optional[str] = _f(None, "Require this bearer token (better: ZEROTUNE_API_KEY in the environment)")
+
+
+@dataclass
+class PlanCfg:
+    gpu: str = _f("cpu", "Target accelerator for the plan and dry-run: v100-32gb, t4, a100-80gb, h100-80gb, cpu")
+    gpus_per_node: int = _f(2, "Processes (GPUs) per node on the target cluster")
+    nodes: int = _f(1, "Nodes on the target cluster")
+    cpu_ram_gb: float = _f(24, "CPU RAM per node, GB")
+    mfu: Optional[float] = _f(None, "Assumed model FLOPs utilisation; null = default for the GPU")
+
+
+@dataclass
+class Recipe:
+    name: str = _f("", "Recipe name (file stem)")
+    output_dir: str = _f("", "Where stage outputs go; default runs/<name>")
+    model: ModelCfg = _f(None, "Model", )
+    data: DataCfg = _f(None, "Data preparation")
+    train: TrainCfg = _f(None, "Training")
+    quantize: QuantizeCfg = _f(None, "GGUF export")
+    check: CheckCfg = _f(None, "Inference check")
+    serve: ServeCfg = _f(None, "Server")
+    plan: PlanCfg = _f(None, "Target cluster for planning")
+
+    @property
+    def out(self) -> Path:
+        p = Path(self.output_dir or f"runs/{self.name}")
+        return p if p.is_absolute() else REPO_ROOT / p
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
+_SECTION_CLASSES = {"model": ModelCfg, "data": DataCfg, "train": TrainCfg, "quantize": QuantizeCfg,
+                    "check": CheckCfg, "serve": ServeCfg, "plan": PlanCfg}
+
+
+def _suggest(key: str, options) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin is Literal:
+        sval = value if not isinstance(value, bool) else ("on" if value else "off")
+        if sval not in args:
+            raise RecipeError(f"{where}: '{value}' is not one of {list(args)}.{_suggest(str(value), args)}")
+        return sval
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes", "on"):
+                return True
+            if str(value).lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if tp is int:
+            if isinstance(value, bool):
+                raise ValueError
+            f = float(value)
+            if f != int(f):
+                raise ValueError
+            return int(f)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if tp is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+        if tp in (dict, list):
+            if isinstance(value, str):
+                value = yaml.safe_load(value)
+            if not isinstance(value, tp):
+                raise ValueError
+            return value
+    except (TypeError, ValueError):
+        raise RecipeError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}.") from None
+    return value
+
+
+def _build(cls, raw: dict, where: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}: expected a mapping, got {raw!r}.")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise RecipeError(f"{where}: unknown key '{key}'.{_suggest(key, names)}")
+        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def _build_source(raw: Any, where: str) -> SourceCfg:
+    if isinstance(raw, str):
+        raw = {"path": raw}
+    src = _build(SourceCfg, raw, where)
+    if not src.path:
+        raise RecipeError(f"{where}.path: every data source needs a path or hub id.")
+    return src
+
+
+def recipe_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p.resolve()
+    candidate = RECIPES_DIR / f"{name_or_path}.yaml"
+    if candidate.exists():
+        return candidate
+    known = sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))
+    raise RecipeError(f"recipe '{name_or_path}' not found in {RECIPES_DIR}.{_suggest(name_or_path, known)}")
+
+
+def apply_overrides(raw: dict, overrides: list[str], where: str = "override") -> dict:
+    """Apply `section.key=value` strings to a raw recipe mapping."""
+    for ov in overrides:
+        if "=" not in ov:
+            raise RecipeError(f"{where} '{ov}': expected section.key=value, e.g. train.lr=1e-4.")
+        key, value = ov.split("=", 1)
+        parts = key.split(".")
+        node = raw
+        for part in parts[:-1]:
+            if part not in SECTIONS:
+                raise RecipeError(f"{where} '{ov}': unknown section '{part}'.{_suggest(part, SECTIONS)}")
+            node = node.setdefault(part, {}) or {}
+            raw[part] = node if node is not None else {}
+        node[parts[-1]] = yaml.safe_load(value) if value != "" else None
+    return raw
+
+
+def from_dict(raw: dict, where: str = "recipe") -> Recipe:
+    raw = dict(raw)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in SECTIONS:
+            raise RecipeError(f"{where}: unknown top-level key '{key}'.{_suggest(key, SECTIONS)}")
+        if key in _SECTION_CLASSES:
+            kwargs[key] = _build(_SECTION_CLASSES[key], value, f"{where}: {key}")
+        else:
+            kwargs[key] = _coerce(value, str, f"{where}: {key}")
+    for key, cls in _SECTION_CLASSES.items():
+        kwargs.setdefault(key, cls())
+    recipe = Recipe(**kwargs)
+    recipe.data.sources = [_build_source(s, f"{where}: data.sources[{i}]") for i, s in enumerate(recipe.data.sources)]
+    _validate(recipe, where)
+    return recipe
+
+
+def _validate(r: Recipe, where: str) -> None:
+    if r.model.name_or_path is None and r.model.init_config is None:
+        raise RecipeError(f"{where}: model needs name_or_path (pretrained) or init_config (from scratch).")
+    if r.data.seq_len <= 0 or r.train.micro_batch_size <= 0 or r.train.global_batch_tokens <= 0:
+        raise RecipeError(f"{where}: data.seq_len, train.micro_batch_size and train.global_batch_tokens must be positive.")
+    if not 0 <= r.data.eval_fraction < 1:
+        raise RecipeError(f"{where}: data.eval_fraction must be in [0, 1).")
+
+
+def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe:
+    path = recipe_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    raw.setdefault("name", path.stem)
+    raw = apply_overrides(raw, overrides or [])
+    return from_dict(raw, where=str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path))
+
+
+def resolve_path(p: str | None) -> Path | None:
+    if p is None:
+        return None
+    q = Path(p)
+    return q if q.is_absolute() else REPO_ROOT / q
+
+
+def explain() -> str:
+    lines = []
+    for section, cls in _SECTION_CLASSES.items():
+        lines.append(f"{section}:")
+        for f in dataclasses.fields(cls):
+            d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {f.name}: {d!r:<12} # {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,25 @@
+"""Build the DeepSpeed config: the shipped JSON plus the recipe's `train.zero` overrides."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+from .config import Recipe, resolve_path
+
+
+def build(r: Recipe) -> dict | None:
+    if r.train.deepspeed is None:
+        return None
+    path = resolve_path(r.train.deepspeed)
+    if not path.exists():
+        raise FileNotFoundError(f"train.deepspeed: {path} not found (shipped configs are in configs/deepspeed/).")
+    cfg = json.loads(path.read_text())
+    zero = copy.deepcopy(cfg.get("zero_optimization", {}))
+    for key, value in r.train.zero.items():
+        if isinstance(value, dict) and isinstance(zero.get(key), dict):
+            zero[key] = {**zero[key], **value}
+        else:
+            zero[key] = value
+    cfg["zero_optimization"] = zero
+    return cfg

@@ -1,0 +1,115 @@
+"""What each accelerator can do, and the precision/attention/Liger choice that follows.
+
+One explicit table, keyed by CUDA compute capability. `auto` picks from it and
+says what it picked; an explicit request the hardware cannot honour is an error
+that names the alternative. Nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+
+class CapabilityError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    capability: tuple[int, int] | None  # None = CPU
+    memory_gib: float
+    peak_tflops: float | None  # dense 16-bit tensor peak, for MFU
+    bf16: bool
+    flash_attention_2: bool
+
+
+# Peak dense 16-bit tensor TFLOPS from vendor datasheets (fp16 on V100/T4, bf16 on A100/H100).
+GPUS = {
+    "v100-32gb": GPU("V100-SXM2-32GB", (7, 0), 32.0, 125.0, bf16=False, flash_attention_2=False),
+    "t4": GPU("T4", (7, 5), 15.0, 65.0, bf16=False, flash_attention_2=False),
+    "a100-80gb": GPU("A100-SXM4-80GB", (8, 0), 80.0, 312.0, bf16=True, flash_attention_2=True),
+    "h100-80gb": GPU("H100-SXM5-80GB", (9, 0), 80.0, 989.0, bf16=True, flash_attention_2=True),
+    "cpu": GPU("CPU", None, 0.0, None, bf16=False, flash_attention_2=False),
+}
+
+
+def gpu_for_capability(cap: tuple[int, int] | None, name: str = "") -> GPU:
+    if cap is None:
+        return GPUS["cpu"]
+    for g in GPUS.values():
+        if g.capability == cap and (not name or g.name.split("-")[0].lower() in name.lower()):
+            return g
+    # An unlisted GPU: capabilities follow the architecture, peak is unknown (no MFU).
+    return GPU(name or f"sm{cap[0]}{cap[1]}", cap, 0.0, None, bf16=cap >= (8, 0), flash_attention_2=cap >= (8, 0))
+
+
+def detect() -> GPU:
+    import torch
+
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability(0)
+        return gpu_for_capability(cap, torch.cuda.get_device_name(0))
+    return GPUS["cpu"]
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+@dataclass(frozen=True)
+class Choice:
+    precision: str  # fp32 | fp16 | bf16
+    attention: str  # sdpa | eager | flash_attention_2
+    liger: bool
+    reasons: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"precision {self.precision}, attention {self.attention}, liger {'on' if self.liger else 'off'}"
+
+
+def choose(gpu: GPU, precision: str = "auto", attention: str = "auto", liger: str = "auto",
+           fa2_installed: bool | None = None) -> Choice:
+    fa2_installed = flash_attn_installed() if fa2_installed is None else fa2_installed
+    why = []
+    on_gpu = gpu.capability is not None
+
+    if precision == "auto":
+        precision = "bf16" if gpu.bf16 else ("fp16" if on_gpu else "fp32")
+        why.append(f"precision auto -> {precision} ({gpu.name}: bf16 {'yes' if gpu.bf16 else 'no'})")
+    elif precision == "bf16" and not gpu.bf16:
+        alt = "fp16" if on_gpu else "fp32"
+        raise CapabilityError(f"precision bf16 requested but {gpu.name} has no bf16 support. "
+                              f"Use train.precision={alt} (or auto).")
+    elif precision == "fp16" and not on_gpu:
+        raise CapabilityError("precision fp16 requested on CPU: mixed-precision fp16 needs a CUDA GPU. "
+                              "Use train.precision=fp32 (or auto).")
+
+    if attention == "auto":
+        if gpu.flash_attention_2 and fa2_installed:
+            attention = "flash_attention_2"
+        else:
+            attention = "sdpa"
+        reason = ("sm80+ with flash-attn installed" if attention == "flash_attention_2" else
+                  f"{gpu.name} has no FlashAttention 2; SDPA uses its memory-efficient kernel" if on_gpu and not gpu.flash_attention_2 else
+                  "flash-attn not installed (pip install -e .[flash])" if gpu.flash_attention_2 else "CPU")
+        why.append(f"attention auto -> {attention} ({reason})")
+    elif attention == "flash_attention_2":
+        if not gpu.flash_attention_2:
+            raise CapabilityError(f"attention flash_attention_2 requested but {gpu.name} "
+                                  f"(sm{''.join(map(str, gpu.capability)) if gpu.capability else ' n/a'}) is not supported "
+                                  "by FlashAttention 2 (needs sm80+, flash-attention #891). Use train.attention=sdpa.")
+        if not fa2_installed:
+            raise CapabilityError("attention flash_attention_2 requested but flash-attn is not installed. "
+                                  "Install it with `pip install -e .[flash]` or use train.attention=sdpa.")
+
+    if liger == "auto":
+        use_liger = on_gpu
+        why.append(f"liger auto -> {'on' if use_liger else 'off'} ({'Triton kernels on CUDA' if on_gpu else 'Triton needs a GPU'})")
+    else:
+        use_liger = liger == "on"
+        if use_liger and not on_gpu:
+            raise CapabilityError("liger on requested on CPU: Liger's Triton kernels need a CUDA GPU "
+                                  "(on CPU only the Triton interpreter runs them, for tests). Use train.liger=off (or auto).")
+    return Choice(precision, attention, use_liger, tuple(why))

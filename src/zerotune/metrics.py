@@ -1,0 +1,142 @@
+"""Per-optimizer-step metrics: stdout, metrics.jsonl, wandb; a PNG of the curves at the end.
+
+Throughput counts the tokens actually processed (global batch in tokens per
+step) and the label tokens among them; MFU uses model FLOPs per token
+(6N plus causal attention, PaLM appendix B) against the device's dense peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+
+class FP16OverflowError(RuntimeError):
+    pass
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
+    # 6N for the dense matmuls (fwd + bwd); attention scores and values: 12 * L * d * S,
+    # halved for causal masking. Recompute is not counted (model FLOPs, not hardware FLOPs).
+    return 6 * n_params + 6 * n_layers * hidden * seq_len
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class StepMetrics(TrainerCallback):
+    def __init__(self, path: Path, tokens_per_step: int, label_fraction: float, flops_tok: float,
+                 peak_tflops: float | None, world_size: int, max_overflows_at_min_scale: int = 5):
+        self.path = Path(path)
+        self.tokens_per_step = tokens_per_step
+        self.label_fraction = label_fraction
+        self.flops_tok = flops_tok
+        self.peak = peak_tflops
+        self.world = world_size
+        self.max_overflows = max_overflows_at_min_scale
+        self.trainer = None
+        self._t0 = None
+        self._overflows_at_min = 0
+        self.rows: list[dict] = []
+
+    def on_step_begin(self, args, state, control, **kw):
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    def _engine(self):
+        eng = getattr(self.trainer, "model_wrapped", None) if self.trainer else None
+        return eng if hasattr(eng, "optimizer") and hasattr(eng, "skipped_steps") else None
+
+    def on_step_end(self, args, state, control, **kw):
+        now = time.perf_counter()
+        dt = now - (self._t0 or now)
+        self._t0 = now
+        mem = torch.tensor(float(peak_memory_bytes(args.device)))
+        if dist.is_available() and dist.is_initialized():
+            mem = mem.to(args.device)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        row = {"step": state.global_step, "step_time_s": round(dt, 4),
+               "tokens_per_s": round(self.tokens_per_step / dt, 1) if dt > 0 else None,
+               "tokens_per_s_per_rank": round(self.tokens_per_step / dt / self.world, 1) if dt > 0 else None,
+               "label_tokens_per_s": round(self.tokens_per_step * self.label_fraction / dt, 1) if dt > 0 else None,
+               "peak_mem_gib_max_rank": round(mem.item() / 2**30, 3)}
+        if self.peak and dt > 0:
+            row["mfu"] = round(self.flops_tok * self.tokens_per_step / dt / (self.peak * 1e12 * self.world), 4)
+        eng = self._engine()
+        if eng is not None and args.fp16:
+            scale = float(getattr(eng.optimizer, "loss_scale", getattr(eng.optimizer, "cur_scale", float("nan"))))
+            row["loss_scale"] = scale
+            row["skipped_steps"] = int(eng.skipped_steps)
+            overflow = bool(getattr(eng.optimizer, "overflow", False))
+            min_scale = float(eng.config.get("fp16", {}).get("min_loss_scale", 1)) if hasattr(eng, "config") and isinstance(eng.config, dict) else 1.0
+            self._overflows_at_min = self._overflows_at_min + 1 if overflow and scale <= min_scale else 0
+            if self._overflows_at_min >= self.max_overflows:
+                raise FP16OverflowError(
+                    f"fp16 gradients overflowed {self._overflows_at_min} steps in a row at the minimum loss scale "
+                    f"{min_scale} (step {state.global_step}): training has diverged. Lower train.lr, check the data "
+                    "for extreme samples, or use bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
+        self.rows.append(row)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        logs = dict(logs or {})
+        loss = logs.get("loss")
+        if loss is not None and not math.isfinite(loss):
+            raise NonFiniteLossError(f"loss is {loss} at step {state.global_step}: stopping before it reaches a checkpoint. "
+                                     "Check the data (a sequence with no label tokens gives 0/0) and the learning rate.")
+        if not state.is_world_process_zero or "loss" not in logs:
+            return
+        row = self.rows[-1] if self.rows and self.rows[-1]["step"] == state.global_step else {"step": state.global_step}
+        row.update({k: logs[k] for k in ("loss", "grad_norm", "learning_rate", "epoch") if k in logs})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        parts = [f"step {row['step']}", f"loss {row.get('loss', float('nan')):.4f}"]
+        if "grad_norm" in row:
+            parts.append(f"grad_norm {row['grad_norm']:.3f}")
+        if "learning_rate" in row:
+            parts.append(f"lr {row['learning_rate']:.2e}")
+        if row.get("tokens_per_s"):
+            parts.append(f"{row['tokens_per_s']:,.0f} tok/s")
+        if "mfu" in row:
+            parts.append(f"MFU {row['mfu']:.1%}")
+        parts.append(f"peak mem {row.get('peak_mem_gib_max_rank', 0):.2f} GiB")
+        if "loss_scale" in row:
+            parts.append(f"loss scale {row['loss_scale']:g} (skipped {row['skipped_steps']})")
+        print("train: " + ", ".join(parts), flush=True)
+
+
+def plot_curves(jsonl: Path, png: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(x) for x in Path(jsonl).read_text().splitlines() if x.strip()]
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    a.plot(steps, [r.get("loss") for r in rows], color="#4477aa")
+    a.set_xlabel("optimizer step")
+    a.set_ylabel("training loss")
+    a.set_title("Loss")
+    b.plot(steps, [r.get("tokens_per_s") or 0 for r in rows], color="#228833")
+    b.set_xlabel("optimizer step")
+    b.set_ylabel("tokens / s (all ranks)")
+    b.set_title("Throughput")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,105 @@
+"""`zerotune quantize RECIPE`: HF model -> GGUF with llama.cpp's own converter and quantizer.
+
+q8_0 / f16 / bf16 / f32 come straight from `convert_hf_to_gguf.py` (the copy
+shipped in the llama-cpp-python sdist we build the runtime from, so converter
+and runtime are the same llama.cpp). K-quants go through an f16 GGUF and
+llama.cpp's quantizer (`llama_model_quantize`, exposed by llama-cpp-python).
+The result is read back and checked before it replaces an earlier GGUF.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from . import manifest as mf
+from .config import REPO_ROOT, Recipe
+from .gguf_checks import GGUFCheckError, inspect_gguf
+
+CONVERTER = REPO_ROOT / "assets" / "llama.cpp" / "convert_hf_to_gguf.py"
+CONVERTER_TYPES = {"f32", "f16", "bf16", "q8_0"}
+# llama.cpp's LLAMA_FTYPE values for the quantizer path (include/llama.h).
+QUANTIZER_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_m": 12, "q4_k_s": 14,
+                   "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18}
+
+
+def gguf_dir(r: Recipe) -> Path:
+    return r.out / "gguf"
+
+
+def gguf_path(r: Recipe) -> Path:
+    return gguf_dir(r) / f"{r.name}-{r.quantize.type}.gguf"
+
+
+def source_model_dir(r: Recipe) -> Path:
+    from .train import final_model_dir
+
+    return final_model_dir(r)
+
+
+def run_converter(model_dir: Path, outtype: str, outfile: Path) -> None:
+    if not CONVERTER.exists():
+        raise FileNotFoundError(f"{CONVERTER} not found. Run `make setup` (it unpacks llama.cpp's converter).")
+    cmd = [sys.executable, str(CONVERTER), str(model_dir), "--outtype", outtype, "--outfile", str(outfile)]
+    print(f"quantize: {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        hint = ""
+        if "pre-tokenizer" in tail or "BPE pre-tokenizer was not recognized" in tail:
+            hint = ("\nThe converter does not know this tokenizer's pre-tokenizer (llama.cpp #8649): "
+                    "use the model's original tokenizer files, or a llama.cpp version that knows it.")
+        raise RuntimeError(f"llama.cpp converter failed (exit {proc.returncode}):\n{tail}{hint}")
+
+
+def run_quantizer(src: Path, dst: Path, qtype: str) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANTIZER_TYPES[qtype]
+    params.nthread = os.cpu_count() or 1
+    print(f"quantize: llama.cpp quantizer {src.name} -> {qtype}", flush=True)
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize returned {rc} for {src} -> {qtype}")
+
+
+def quantize(r: Recipe, model_dir: Path | None = None) -> dict:
+    qtype = r.quantize.type.lower()
+    if qtype not in CONVERTER_TYPES | set(QUANTIZER_TYPES):
+        raise ValueError(f"quantize.type '{qtype}' is not supported. Use one of "
+                         f"{sorted(CONVERTER_TYPES)} (converter) or {sorted(QUANTIZER_TYPES)} (quantizer).")
+    model_dir = Path(model_dir or source_model_dir(r))
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"no trained model in {model_dir}. Run `make finetune RECIPE={r.name}` first.")
+    out = gguf_path(r)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        if qtype in CONVERTER_TYPES:
+            run_converter(model_dir, qtype, tmp)
+        else:
+            f16 = out.with_name(out.stem + ".f16.tmp")
+            run_converter(model_dir, "f16", f16)
+            run_quantizer(f16, tmp, qtype)
+            f16.unlink()
+        report = inspect_gguf(tmp, model_dir, qtype)
+    except (GGUFCheckError, RuntimeError, FileNotFoundError):
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)  # an earlier GGUF is replaced only by one that passed its checks
+    train_manifest = mf.read(r.out / "train" / "manifest.json") or {}
+    data_manifest = mf.read(r.out / "data" / "manifest.json") or {}
+    manifest = {"stage": "quantize", "recipe": r.name, "gguf": str(out), "type": qtype,
+                "sha256": mf.sha256(out), "bytes": out.stat().st_size, "source_model": str(model_dir),
+                "source_model_sha256": train_manifest.get("model_sha256"),
+                "data_fingerprint": data_manifest.get("fingerprint"), "checks": report}
+    mf.write(gguf_dir(r) / "manifest.json", manifest)
+    mf.write_resolved_recipe(gguf_dir(r), r)
+    print(f"quantize: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {qtype}); checks passed: "
+          f"{report['summary']}", flush=True)
+    return manifest
+
+

@@ -1,0 +1,302 @@
+"""`zerotune train RECIPE`: HF Trainer + DeepSpeed ZeRO-3, one code path from CPU to 8xV100.
+
+Launcher side (no RANK in the environment): materialise the base model if the
+recipe initialises from a config, print the plan, and start torchrun with one
+process per GPU (or `train.cpu_procs` CPU processes). Worker side: derive
+gradient accumulation from the world size, create TrainingArguments (with the
+DeepSpeed config) *before* the model so ZeRO-3 shards weights at load time,
+train, save a consolidated model and verify it by reloading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import batch as batchmod
+from . import ds_config, hardware
+from . import manifest as mf
+from .config import Recipe, resolve_path
+from .data.prepare import data_dir, load_tokenizer, require_prepared
+
+
+def base_model_dir(r: Recipe) -> Path:
+    """Where the model training starts from: the pretrained path, or a materialised random init."""
+    if r.model.name_or_path:
+        p = resolve_path(r.model.name_or_path)
+        return p if p.exists() else Path(r.model.name_or_path)
+    return r.out / "base"
+
+
+def final_model_dir(r: Recipe) -> Path:
+    return r.out / "model"
+
+
+def checkpoints_dir(r: Recipe) -> Path:
+    return r.out / "checkpoints"
+
+
+def staging_dir(r: Recipe) -> Path:
+    return r.out / "model.tmp"
+
+
+PROBE_FILE = "zerotune_probe.pt"
+
+
+def finalize(r: Recipe) -> dict:
+    """Launcher side, after the workers exit: verify the consolidated save, then publish it.
+
+    Runs in a fresh process so that reloading cannot trigger ZeRO-3 collectives; the old
+    model folder is replaced only once the new one has passed verification.
+    """
+    import torch
+
+    from .metrics import plot_curves
+    from .verify import verify_saved_model
+
+    tmp, out = staging_dir(r), final_model_dir(r)
+    ref = torch.load(tmp / PROBE_FILE)
+    report = verify_saved_model(tmp, ref["n_params"], ref["probe"], ref["logits"], ref["precision"])
+    (tmp / PROBE_FILE).unlink()
+    (tmp / "training_args.bin").unlink(missing_ok=True)  # pickled args: not needed to load the model
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    run = mf.read(r.out / "train" / "run.json") or {}
+    hist = [json.loads(x) for x in (r.out / "train" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    losses = [h["loss"] for h in hist if "loss" in h]
+    manifest = {"stage": "train", "recipe": r.name, "model": str(out), **run,
+                "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+                "verify": report, "model_sha256": {f: mf.sha256(out / f) for f in report["files"]}}
+    mf.write(r.out / "train" / "manifest.json", manifest)
+    mf.write_resolved_recipe(r.out / "train", r)
+    plot_curves(r.out / "train" / "metrics.jsonl", r.out / "train" / "curves.png")
+    print(f"train: done in {run.get('elapsed_s', 0):.0f}s; loss {manifest['first_loss']} -> {manifest['final_loss']}; "
+          f"verified and published {out} ({report['params']:,} parameters, max |logit diff| after reload "
+          f"{report['max_abs_logit_diff']:.2e})", flush=True)
+    return manifest
+
+
+def materialise_base(r: Recipe) -> Path:
+    """Random-init a model from `init_config` once, deterministically, with the tokenizer beside it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = base_model_dir(r)
+    if r.model.name_or_path:
+        return out
+    cfg_path = resolve_path(r.model.init_config)
+    stamp = {"init_config_sha256": mf.sha256(cfg_path), "init_seed": r.model.init_seed}
+    if mf.read(out / "zerotune_base.json") == stamp:
+        return out
+    torch.manual_seed(r.model.init_seed)
+    config = AutoConfig.from_pretrained(cfg_path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok = load_tokenizer(r)
+    tok.save_pretrained(tmp)
+    mf.write(tmp / "zerotune_base.json", stamp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    print(f"train: initialised {sum(p.numel() for p in model.parameters()):,} parameters from "
+          f"{r.model.init_config} (seed {r.model.init_seed}) -> {out}")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(r: Recipe, argv: list[str]) -> int:
+    """Start the distributed job; returns its exit code."""
+    import torch
+
+    require_prepared(r)  # fail here, in seconds, not after the launch
+    materialise_base(r)
+    n_gpu = torch.cuda.device_count()
+    nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
+    env = dict(os.environ)
+    if n_gpu == 0:
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's accelerator plumbing; gloo without oneCCL
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "zerotune", *argv]
+    print(f"train: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: {' '.join(cmd[2:])}", flush=True)
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        print(f"train: the distributed job failed (exit {rc}); {final_model_dir(r)} and committed checkpoints "
+              "are untouched.", file=sys.stderr, flush=True)
+        return rc
+    finalize(r)
+    return 0
+
+
+def _collate_packed(rows):
+    import torch
+
+    return {k: torch.tensor([row[k] for row in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+
+
+def _make_collate_padded(pad_id: int):
+    import torch
+
+    def collate(rows):
+        n = max(len(row["input_ids"]) for row in rows)
+        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        for row in rows:
+            pad = n - len(row["input_ids"])
+            out["input_ids"].append(row["input_ids"] + [pad_id] * pad)
+            out["labels"].append(row["labels"] + [-100] * pad)
+            out["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+
+    return collate
+
+
+def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(checkpoints_dir(r)),
+        per_device_train_batch_size=r.train.micro_batch_size,
+        gradient_accumulation_steps=bp.grad_accum,
+        max_steps=max_steps,
+        learning_rate=r.train.lr,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": r.train.min_lr_ratio},
+        warmup_steps=r.train.warmup_ratio,
+        weight_decay=r.train.weight_decay,
+        adam_beta2=r.train.adam_beta2,
+        max_grad_norm=r.train.max_grad_norm,
+        fp16=choice.precision == "fp16",
+        bf16=choice.precision == "bf16",
+        gradient_checkpointing=r.train.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        deepspeed=ds_config.build(r),
+        use_cpu=not on_gpu,
+        logging_steps=r.train.logging_steps,
+        logging_nan_inf_filter=False,  # a NaN must be seen, not averaged away
+        save_strategy="steps" if r.train.save_steps > 0 else "no",
+        save_steps=r.train.save_steps if r.train.save_steps > 0 else 500,
+        save_total_limit=r.train.save_total_limit,
+        report_to=[] if r.train.report_to == "none" else [r.train.report_to],
+        run_name=r.name,
+        seed=r.train.seed,
+        data_seed=r.train.seed,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        average_tokens_across_devices=True,
+        ddp_timeout=3600,
+    )
+
+
+def total_steps(n_sequences: int, bp: batchmod.BatchPlan, r: Recipe) -> int:
+    if r.train.max_steps > 0:
+        return r.train.max_steps
+    per_epoch = n_sequences // bp.sequences_per_step
+    if per_epoch == 0:
+        raise ValueError(f"the prepared data has {n_sequences} sequences, fewer than one optimizer step "
+                         f"({bp.sequences_per_step}); lower train.global_batch_tokens or add data.")
+    return max(1, int(per_epoch * r.train.epochs))
+
+
+def _torch_dtype(precision: str):
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+
+
+def worker(r: Recipe) -> None:
+    import torch
+    import torch.distributed as dist
+    from datasets import load_from_disk
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from .checkpoint import CommitCheckpoints, last_committed
+    from .metrics import StepMetrics, flops_per_token, plot_curves
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    gpu = hardware.detect()
+    choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger)
+    data_manifest = require_prepared(r)
+    bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
+    train_ds = load_from_disk(str(data_dir(r) / "train"))
+    steps = total_steps(len(train_ds), bp, r)
+    args = training_arguments(r, bp, choice, gpu.capability is not None, steps)  # before the model: ZeRO-3 zero.Init
+    if args.deepspeed:
+        # zero.Init (inside from_pretrained) reads the world size from deepspeed.comm, which the Trainer
+        # does not set up under use_cpu=True: without this it sees world 1 and rejects the batch config.
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="gloo" if gpu.capability is None else "nccl")
+
+    if rank == 0:
+        zero = (args.hf_deepspeed_config.config.get("zero_optimization", {}) if args.deepspeed else {})
+        print(f"train: {gpu.name}, world size {world}, {choice.describe()}; " + "; ".join(choice.reasons), flush=True)
+        print(f"train: {bp.describe()}; {steps} optimizer steps "
+              f"({len(train_ds)} sequences, {bp.sequences_per_step} per step)", flush=True)
+        if args.deepspeed:
+            print(f"train: DeepSpeed ZeRO stage {zero.get('stage')} with world size {world}", flush=True)
+
+    if choice.liger:
+        # Patch the model classes before instantiation: Liger's fused linear cross entropy then runs
+        # inside LlamaForCausalLM.forward, where ZeRO-3 has gathered lm_head (trl #3368, Liger #1048).
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
+                                    cross_entropy=False)
+    src = base_model_dir(r)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=_torch_dtype(choice.precision),
+                                                 attn_implementation=choice.attention)
+    model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
+
+    cfg = model.config
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())  # ZeRO-3 shards
+    tokens_per_step = bp.global_batch_tokens
+    label_fraction = data_manifest["tokens"]["train_label"] / max(1, data_manifest["tokens"]["train_total"])
+    metrics = StepMetrics(r.out / "train" / "metrics.jsonl", tokens_per_step, label_fraction,
+                          flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
+                          gpu.peak_tflops, world)
+    collate = _collate_packed if r.data.packing else _make_collate_padded(data_manifest["pad_token_id"])
+    trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collate,
+                      callbacks=[metrics, CommitCheckpoints()])
+    metrics.trainer = trainer
+    if rank == 0:
+        (r.out / "train").mkdir(parents=True, exist_ok=True)
+        (r.out / "train" / "metrics.jsonl").unlink(missing_ok=True)
+    resume = last_committed(checkpoints_dir(r))
+    if resume and rank == 0:
+        print(f"train: resuming from committed checkpoint {resume}", flush=True)
+    t0 = time.time()
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    elapsed = time.time() - t0
+
+    probe = {k: v[:1].to(args.device) for k, v in collate([train_ds[0]]).items() if k != "labels"}
+    with torch.no_grad():
+        trainer.model_wrapped.eval()
+        ref_logits = trainer.model_wrapped(**probe).logits.float().cpu()
+    tmp = staging_dir(r)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    trainer.save_model(str(tmp))  # ZeRO-3: gathers the 16-bit weights into one consolidated file on rank 0
+    if rank == 0:
+        load_tokenizer(r).save_pretrained(tmp)
+        torch.save({"probe": {k: v.cpu() for k, v in probe.items()}, "logits": ref_logits, "n_params": n_params,
+                    "precision": choice.precision}, tmp / PROBE_FILE)
+        mf.write(r.out / "train" / "run.json", {
+            "world_size": world, "device": gpu.name, "data_fingerprint": data_manifest["fingerprint"],
+            "choice": {"precision": choice.precision, "attention": choice.attention, "liger": choice.liger},
+            "batch": {"global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
+                      "micro_batch_size": bp.micro_batch_size, "grad_accum": bp.grad_accum},
+            "steps": steps, "elapsed_s": round(elapsed, 1), "base": str(src)})
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,61 @@
+"""Shared fixtures: the real Llama-3.1 tokenizer (fetched by `make setup`) and a tiny random model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = REPO / "assets" / "tokenizer" / "llama3_1"
+TINY_CONFIG = REPO / "configs" / "models" / "tiny_llama31.json"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    if not (TOKENIZER_DIR / "tokenizer.json").exists():
+        pytest.fail(f"{TOKENIZER_DIR} missing: run `make setup`")
+    return TOKENIZER_DIR
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A random-init tiny Llama-3.1-architecture model with the real tokenizer, saved like a trained one."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny_model")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_CONFIG), dtype=torch.float32)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory, tiny_model_dir) -> Path:
+    """tiny_model_dir converted to Q8_0 by llama.cpp's own converter."""
+    from zerotune.quantize import run_converter
+
+    out = tmp_path_factory.mktemp("gguf") / "tiny-q8_0.gguf"
+    run_converter(tiny_model_dir, "q8_0", out)
+    return out
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
