@@ -11,7 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH="${TORCH:-cpu}"
-LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:-}"
+# Portable x86-64 baseline (AVX2/FMA/F16C): a -march=native build picks up AMX/AVX-512 where the CPU lists
+# them, and on VMs that do not enable AMX state the result dies with SIGILL in the first decode (seen here).
+LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON}"
 CACHE="${ZEROTUNE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/zerotune}"
 PY="${PYTHON:-python3}"
 

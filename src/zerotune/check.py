@@ -20,12 +20,17 @@ import numpy as np
 
 from . import manifest as mf
 from .config import Recipe, resolve_path
+from .gguf_checks import CHAT_FORMAT, guard_llama_runtime
 from .quantize import gguf_path
 
 # Gates per GGUF type: (max mean KL nats/token, min top-1 agreement). Q8_0 must be nearly lossless.
 GATES = {"f32": (1e-4, 0.999), "f16": (1e-3, 0.99), "bf16": (5e-3, 0.98), "q8_0": (0.01, 0.98),
          "q6_k": (0.03, 0.95), "q5_k_m": (0.05, 0.93), "q5_k_s": (0.06, 0.92), "q4_k_m": (0.1, 0.9),
          "q4_k_s": (0.12, 0.88)}
+# A GGUF argmax that HF rates within this many nats of its own top token counts as a near-tie agreement. On
+# a random-init model (near-flat distributions, median top-1/top-2 margin ~0.1 nats) Q8_0 noise flips ~10%
+# of argmaxes between such near-ties while mean KL stays ~2e-4; a trained model's margins are far larger.
+TIE_NATS = 0.1
 T4_USABLE_GIB = 14.6
 T4_OVERHEAD_GIB = 0.6  # CUDA context + llama.cpp compute buffers (measured ranges 0.3-0.8 GiB at 8K on 8B)
 
@@ -63,7 +68,17 @@ def hf_answers(model_dir: Path, rows: list[dict], max_new_tokens: int) -> list[s
     return out
 
 
+def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True):
+    """The GGUF as check uses it: every position's logits, the embedded chat template (as serve uses it)."""
+    import llama_cpp
+
+    guard_llama_runtime()
+    return llama_cpp.Llama(str(gguf), n_ctx=n_ctx, logits_all=logits_all, seed=0, chat_format=CHAT_FORMAT,
+                           verbose=False)
+
+
 def gguf_answers(llm, rows: list[dict], max_new_tokens: int) -> tuple[list[str], list[str]]:
+    """Greedy chat answers through the GGUF's embedded template, stopping at its end-of-generation tokens."""
     answers, reasons = [], []
     for row in rows:
         res = llm.create_chat_completion(messages=row["messages"], temperature=0.0, top_k=1,
@@ -97,9 +112,12 @@ def logit_agreement(llm, model_dir: Path, docs: list[list[int]]) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    if not getattr(llm, "_logits_all", False):
+        raise ValueError("logit_agreement needs a Llama created with logits_all=True (scores of every position).")
+    docs = [ids[: llm.n_ctx()] for ids in docs if len(ids) >= 2]  # a document longer than the context is cut
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
-    kls, agree, nll_hf, nll_gg, n = [], 0, 0.0, 0.0, 0
+    kls, agree, near, margins, nll_hf, nll_gg, n = [], 0, 0, [], 0.0, 0.0, 0
     for ids in docs:
         with torch.no_grad():
             hf = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
@@ -109,12 +127,18 @@ def logit_agreement(llm, model_dir: Path, docs: list[list[int]]) -> dict:
         kl = (hf.exp() * (hf - gg)).sum(-1)  # KL(HF || GGUF) per position
         kls.extend(kl.tolist())
         agree += int((hf.argmax(-1) == gg.argmax(-1)).sum())
+        best = hf.max(-1).values
+        near += int((best - hf.gather(1, gg.argmax(-1)[:, None])[:, 0] <= TIE_NATS).sum())
+        top2 = hf.topk(2, -1).values
+        margins.extend((top2[:, 0] - top2[:, 1]).tolist())
         tgt = torch.tensor(ids[1:])
         nll_hf += float(-hf[:-1].gather(1, tgt[:, None]).sum())
         nll_gg += float(-gg[:-1].gather(1, tgt[:, None]).sum())
         n += len(ids) - 1
     return {"documents": len(docs), "positions": len(kls), "mean_kl": float(np.mean(kls)) if kls else None,
             "max_kl": float(np.max(kls)) if kls else None, "top1_agreement": agree / max(1, len(kls)),
+            "top1_near_tie_agreement": near / max(1, len(kls)), "tie_nats": TIE_NATS,
+            "hf_top1_margin_median": float(np.median(margins)) if margins else None,
             "ppl_hf": float(np.exp(nll_hf / max(1, n))), "ppl_gguf": float(np.exp(nll_gg / max(1, n))),
             "ppl_ratio": float(np.exp((nll_gg - nll_hf) / max(1, n)))}
 
@@ -154,8 +178,6 @@ def base_model_for_check(r: Recipe) -> Path:
 
 
 def check(r: Recipe) -> int:
-    import llama_cpp
-
     from .train import final_model_dir
 
     model_dir, gguf = final_model_dir(r), gguf_path(r)
@@ -172,8 +194,7 @@ def check(r: Recipe) -> int:
     print(f"check: {len(rows)} held-out prompts, greedy, max {r.check.max_new_tokens} new tokens", flush=True)
     base_ans = hf_answers(base_model_for_check(r), rows, r.check.max_new_tokens)
     hf_ans = hf_answers(model_dir, rows, r.check.max_new_tokens)
-    llm = llama_cpp.Llama(str(gguf), n_ctx=min(r.check.n_ctx, 4096), logits_all=True, n_threads=None,
-                          seed=0, verbose=False)
+    llm = load_gguf(gguf, n_ctx=min(r.check.n_ctx, 4096))
     try:
         gg_ans, finish = gguf_answers(llm, rows, r.check.max_new_tokens)
         agreement = logit_agreement(llm, model_dir, heldout_documents(r, r.check.n_kl_texts))

@@ -19,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="prepare: rebuild the cache; train: skip the preflight plan")
     p.add_argument("--dry-run", action="store_true", help="train: print the resolved plan and exit")
     p.add_argument("--json", action="store_true", help="plan: machine-readable output")
+    p.add_argument("--finalize", action="store_true", help="train (internal): verify and publish the model a finished run saved")
     return p
 
 
@@ -39,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         prepare(r, force=args.force)
     elif args.stage == "train":
         from . import train
+        if args.finalize:
+            train.finalize(r)
+            return 0
         if args.dry_run:
             from .plan import dry_run
             print(dry_run(r))
@@ -46,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         if "LOCAL_RANK" in os.environ:
             train.worker(r)
         else:
-            return train.launch(r, argv)
+            return train.launch(r, [a for a in argv if a != "--force"], force=args.force)
     elif args.stage == "quantize":
         from .quantize import quantize
         quantize(r)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import manifest as mf
 from .config import REPO_ROOT, Recipe
-from .gguf_checks import GGUFCheckError, inspect_gguf
+from .gguf_checks import inspect_gguf
 
 CONVERTER = REPO_ROOT / "assets" / "llama.cpp" / "convert_hf_to_gguf.py"
 CONVERTER_TYPES = {"f32", "f16", "bf16", "q8_0"}
@@ -30,7 +30,7 @@ def gguf_dir(r: Recipe) -> Path:
 
 
 def gguf_path(r: Recipe) -> Path:
-    return gguf_dir(r) / f"{r.name}-{r.quantize.type}.gguf"
+    return gguf_dir(r) / f"{r.name}-{r.quantize.type.lower()}.gguf"
 
 
 def source_model_dir(r: Recipe) -> Path:
@@ -77,28 +77,30 @@ def quantize(r: Recipe, model_dir: Path | None = None) -> dict:
     out = gguf_path(r)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
+    f16 = out.with_name(out.stem + ".f16.tmp")
     try:
         if qtype in CONVERTER_TYPES:
             run_converter(model_dir, qtype, tmp)
         else:
-            f16 = out.with_name(out.stem + ".f16.tmp")
             run_converter(model_dir, "f16", f16)
             run_quantizer(f16, tmp, qtype)
-            f16.unlink()
         report = inspect_gguf(tmp, model_dir, qtype)
-    except (GGUFCheckError, RuntimeError, FileNotFoundError):
+        digest, size = mf.sha256(tmp), tmp.stat().st_size
+    except BaseException:  # a failed or interrupted export leaves the earlier GGUF and no partial file
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        f16.unlink(missing_ok=True)
     os.replace(tmp, out)  # an earlier GGUF is replaced only by one that passed its checks
     train_manifest = mf.read(r.out / "train" / "manifest.json") or {}
     data_manifest = mf.read(r.out / "data" / "manifest.json") or {}
     manifest = {"stage": "quantize", "recipe": r.name, "gguf": str(out), "type": qtype,
-                "sha256": mf.sha256(out), "bytes": out.stat().st_size, "source_model": str(model_dir),
+                "sha256": digest, "bytes": size, "source_model": str(model_dir),
                 "source_model_sha256": train_manifest.get("model_sha256"),
                 "data_fingerprint": data_manifest.get("fingerprint"), "checks": report}
     mf.write(gguf_dir(r) / "manifest.json", manifest)
     mf.write_resolved_recipe(gguf_dir(r), r)
-    print(f"quantize: wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {qtype}); checks passed: "
+    print(f"quantize: wrote {out} ({size / 2**20:.1f} MiB, {qtype}); checks passed: "
           f"{report['summary']}", flush=True)
     return manifest
 

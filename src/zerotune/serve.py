@@ -4,8 +4,12 @@ Chat completions, completions, models and streaming come from llama-cpp-python.
 zerotune sets what its defaults get wrong for a fine-tuned model: loopback by
 default; `interrupt_requests` off, so a streaming answer is not cut short when
 another request arrives (#867); a GGUF without an embedded chat template is
-refused rather than served with a guessed "llama-2" format; an optional API key
-(ZEROTUNE_API_KEY in the environment, or serve.api_key).
+refused rather than served with a guessed "llama-2" format, and an embedded one
+is always used as is (`chat_format` "chat_template.default": llama-cpp-python
+would otherwise swap a Llama-3 template it recognises for its own formatter,
+which does not trim messages as the template does); an optional API key
+(ZEROTUNE_API_KEY in the environment, or serve.api_key). The model is closed
+when the server shuts down (llama-cpp-python's `__del__` at exit raises).
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import contextlib
+
 from .config import Recipe
+from .gguf_checks import CHAT_FORMAT, chat_template_of, guard_llama_runtime
 from .quantize import gguf_path
 
 
@@ -22,13 +29,24 @@ class ServeError(RuntimeError):
 
 
 def require_chat_template(gguf: Path) -> None:
-    from gguf import GGUFReader, Keys
+    from gguf import Keys
 
-    field = GGUFReader(str(gguf)).fields.get(Keys.Tokenizer.CHAT_TEMPLATE)
-    if field is None or not field.contents():
+    if not chat_template_of(gguf):  # raises GGUFCheckError naming the file if it is damaged
         raise ServeError(f"{gguf} has no embedded chat template ({Keys.Tokenizer.CHAT_TEMPLATE}); llama-cpp-python would "
                          "silently fall back to the 'llama-2' format. Re-export with `make quantize` from a model whose "
                          "tokenizer has a chat template.")
+
+
+def close_model() -> None:
+    """Close the model llama-cpp-python's server holds (a module-level proxy), if any."""
+    from llama_cpp.server import app as server_app
+
+    proxy = getattr(server_app, "_llama_proxy", None)
+    llm = getattr(proxy, "_current_model", None) if proxy is not None else None
+    if llm is not None:
+        llm.close()
+        proxy._current_model = None
+        proxy._current_model_alias = None
 
 
 def build_app(r: Recipe, gguf: Path | None = None):
@@ -41,9 +59,21 @@ def build_app(r: Recipe, gguf: Path | None = None):
     require_chat_template(gguf)
     api_key = os.environ.get("ZEROTUNE_API_KEY") or r.serve.api_key
     server = ServerSettings(host=r.serve.host, port=r.serve.port, interrupt_requests=False, api_key=api_key)
-    model = ModelSettings(model=str(gguf), model_alias=r.name, n_ctx=r.serve.n_ctx,
+    model = ModelSettings(model=str(gguf), model_alias=r.name, n_ctx=r.serve.n_ctx, chat_format=CHAT_FORMAT,
                           n_gpu_layers=r.serve.n_gpu_layers, verbose=False)
-    return create_app(server_settings=server, model_settings=[model]), server
+    guard_llama_runtime()
+    close_model()  # llama-cpp-python keeps one server model per process: close an earlier app's
+    app = create_app(server_settings=server, model_settings=[model])
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        try:
+            yield
+        finally:
+            close_model()
+
+    app.router.lifespan_context = lifespan
+    return app, server
 
 
 def serve(r: Recipe) -> int:

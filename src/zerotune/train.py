@@ -47,6 +47,8 @@ def staging_dir(r: Recipe) -> Path:
 
 
 PROBE_FILE = "zerotune_probe.pt"
+_DIST_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"}
 
 
 def finalize(r: Recipe) -> dict:
@@ -116,11 +118,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(r: Recipe, argv: list[str]) -> int:
+def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
     """Start the distributed job; returns its exit code."""
     import torch
 
+    from .plan import preflight
+
     require_prepared(r)  # fail here, in seconds, not after the launch
+    if not force:
+        preflight(r)  # predicted not to fit -> PlanError with the suggested change (--force overrides)
     materialise_base(r)
     n_gpu = torch.cuda.device_count()
     nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
@@ -134,9 +140,7 @@ def launch(r: Recipe, argv: list[str]) -> int:
     if rc != 0:
         print(f"train: the distributed job failed (exit {rc}); {final_model_dir(r)} and committed checkpoints "
               "are untouched.", file=sys.stderr, flush=True)
-        return rc
-    finalize(r)
-    return 0
+    return rc
 
 
 def _collate_packed(rows):
@@ -298,5 +302,9 @@ def worker(r: Recipe) -> None:
             "batch": {"global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
                       "micro_batch_size": bp.micro_batch_size, "grad_accum": bp.grad_accum},
             "steps": steps, "elapsed_s": round(elapsed, 1), "base": str(src)})
+        # Verify and publish in a fresh process: reloading here would run ZeRO-3 collectives, and
+        # the same step must run whether torchrun was started by `zerotune train` or by sbatch.
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+        subprocess.check_call([sys.executable, "-m", "zerotune", *sys.argv[1:], "--finalize"], env=env)
     if dist.is_initialized():
         dist.barrier()

@@ -4,15 +4,27 @@ Runs once, before any distributed launch (tokenizing under a NCCL barrier times
 out on large data, LLaMA-Factory #2424). A fingerprint of sources, tokenizer,
 chat template, the recipe's data section and library versions decides whether
 the cache can be reused; training refuses a missing or stale cache.
+
+Memory: nothing scales with the data set except a few arrays of per-document
+integers (length, label count, bin assignment: roughly 50 bytes per document
+with the Python bin lists). Rows are streamed from the sources, tokenized in
+chunks (in a bounded number of in-flight chunks when num_proc > 1), and the
+documents are appended to an on-disk Arrow file. Packing plans bins from the
+lengths alone and copies documents out of that memory-mapped file into the
+output in batches. Disk: about 8 bytes per document token for the intermediate
+file plus 2 x 12 bytes per packed token while the output is written (the
+intermediate copies are deleted before the new cache replaces the old one).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import shutil
-from multiprocessing import Pool
+import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +33,13 @@ from tqdm import tqdm
 from .. import manifest as mf
 from ..config import Recipe, resolve_path
 from .formats import to_messages
-from .packing import pack
-from .sources import BadSample, mixture
-from .tokenize import IGNORE, encode_chat, encode_text, require_chat_template
+from .packing import best_fit_decreasing, iter_packed
+from .sources import SKIP_HINT, BadSample, mixture, mixture_plan
+from .tokenize import IGNORE, ChatRenderer, encode_batch, require_chat_template
 
-FORMAT_VERSION = 1  # bump when the on-disk layout or labelling rules change
+FORMAT_VERSION = 2  # bump when the on-disk layout or labelling rules change
+CHUNK_ROWS = 256  # rows per tokenization task
+WRITE_TOKENS = 1 << 22  # tokens buffered before an Arrow record batch is written
 
 
 class StaleDataError(RuntimeError):
@@ -36,20 +50,42 @@ def data_dir(r: Recipe) -> Path:
     return r.out / "data"
 
 
+_TOKENIZERS: dict = {}
+
+
 def load_tokenizer(r: Recipe):
+    """The recipe's tokenizer (cached per process while its local files are unchanged)."""
     from transformers import AutoTokenizer
 
     path = resolve_path(r.model.tokenizer)
     src = str(path) if path is not None and path.exists() else r.model.tokenizer
     if path is not None and not path.exists() and r.model.tokenizer.startswith(("assets/", "/", ".")):
         raise FileNotFoundError(f"tokenizer folder {path} not found. Run `make setup` (it fetches the Llama-3.1 tokenizer).")
+    key = (src, tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in path.iterdir() if f.is_file()))
+           if path is not None and path.is_dir() else None)
+    if key in _TOKENIZERS:
+        return _TOKENIZERS[key]
     tok = AutoTokenizer.from_pretrained(src)
+    if not getattr(tok, "is_fast", False):
+        raise ValueError(f"tokenizer {src} has no fast (Rust) implementation; prepare needs character offsets. "
+                         "Fix: provide a tokenizer.json.")
     if tok.pad_token_id is None:
         # Llama-3 has no pad token; padding is always label-masked, so any id works. Use the
         # reserved token rather than EOS so padding is visible as such in a decoded batch.
         reserved = tok.convert_tokens_to_ids("<|finetune_right_pad_id|>")
         tok.pad_token_id = reserved if isinstance(reserved, int) and reserved != tok.unk_token_id else tok.eos_token_id
+    if len(_TOKENIZERS) > 4:
+        _TOKENIZERS.clear()
+    _TOKENIZERS[key] = tok
     return tok
+
+
+def _tokenizer_hash(tok) -> str:
+    h = getattr(tok, "_zerotune_hash", None)
+    if h is None:
+        h = hashlib.sha256(tok.backend_tokenizer.to_str().encode()).hexdigest()
+        tok._zerotune_hash = h
+    return h
 
 
 def fingerprint(r: Recipe, tok) -> dict:
@@ -60,12 +96,14 @@ def fingerprint(r: Recipe, tok) -> dict:
     sources = []
     for s in r.data.sources:
         p = resolve_path(s.path)
-        sources.append({"path": s.path, "sha256": mf.sha256(p)} if p is not None and p.exists()
+        sources.append({"path": s.path, "sha256": mf.sha256(p)} if p is not None and p.is_file()
                        else {"hub": s.path, "name": s.name, "split": s.split, "revision": s.revision})
     parts = {
         "format_version": FORMAT_VERSION,
         "sources": sources,
-        "tokenizer_vocab": hashlib.sha256(json.dumps(tok.get_vocab(), sort_keys=True).encode()).hexdigest(),
+        # the whole Rust tokenizer (vocab, merges, normalizer, pre-tokenizer, added tokens)
+        "tokenizer": _tokenizer_hash(tok),
+        "special_tokens": {"bos": tok.bos_token_id, "eos": tok.eos_token_id, "pad": tok.pad_token_id},
         "chat_template": hashlib.sha256((tok.chat_template or "").encode()).hexdigest(),
         "data_section": {k: v for k, v in r.to_dict()["data"].items() if k not in ("num_proc", "heldout")},
         "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
@@ -75,105 +113,277 @@ def fingerprint(r: Recipe, tok) -> dict:
     return {"fingerprint": digest, "inputs": parts}
 
 
-_TOK = None
+def _flatten(obj, prefix="") -> dict:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, list):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out or {prefix: []}
+    return {prefix: obj}
 
 
-def _init_worker(tok_path):
-    global _TOK
-    from transformers import AutoTokenizer
-    _TOK = AutoTokenizer.from_pretrained(tok_path) if isinstance(tok_path, str) else tok_path
+def fingerprint_diff(old: dict, new: dict) -> list[str]:
+    a, b = _flatten(old or {}), _flatten(new or {})
+    return sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
 
 
-def _encode(job):
-    """(where, fmt, columns, row, loss_on) -> (where, ids, labels) or (where, BadSample)."""
-    where, fmt, columns, row, loss_on = job
+# ---- tokenization (in-process or in worker processes) -------------------------------------------
+
+_ENC: dict = {}
+
+
+def _init_worker(tok):
+    _ENC["tok"] = tok
+    _ENC["render"] = ChatRenderer(tok) if getattr(tok, "chat_template", None) else None
+
+
+def _encode_chunk(chunk: list[tuple]) -> list[tuple]:
+    """[(where, fmt, columns, data, error, loss_on)] -> [(where, (ids, labels) | BadSample)]."""
+    tok, render = _ENC["tok"], _ENC["render"]
+    results: list = [None] * len(chunk)
+    items, slots = [], []
+    for k, (where, fmt, columns, data, error, loss_on) in enumerate(chunk):
+        if error is not None:
+            results[k] = (where, error)
+            continue
+        try:
+            conv = to_messages(data, fmt, columns, where)
+        except BadSample as e:
+            results[k] = (where, e)
+            continue
+        items.append((where, conv, loss_on))
+        slots.append(k)
+    for k, res in zip(slots, encode_batch(tok, render, items)):
+        results[k] = (chunk[k][0], res)
+    return results
+
+
+def _ordered_map(fn, chunks, num_proc: int, tok):
+    """map(fn, chunks) in order; with num_proc > 1 in a process pool with a bounded number of chunks in flight
+    (Pool.imap would read the whole input ahead into memory)."""
+    if num_proc <= 1:
+        _init_worker(tok)
+        yield from map(fn, chunks)
+        return
+    methods = mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a forked Rust thread pool can deadlock
+    with ctx.Pool(num_proc, initializer=_init_worker, initargs=(tok,)) as pool:
+        pending: deque = deque()
+        for c in chunks:
+            pending.append(pool.apply_async(fn, (c,)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+class DocWriter:
+    """Appends (ids, labels) documents to an Arrow IPC file in record batches."""
+
+    def __init__(self, path: Path):
+        import pyarrow as pa
+
+        self.pa = pa
+        self.schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32()))])
+        self.writer = pa.ipc.new_file(str(path), self.schema)
+        self.ids: list = []
+        self.labels: list = []
+        self.tokens = 0
+
+    def add(self, ids: np.ndarray, labels: np.ndarray) -> None:
+        self.ids.append(ids)
+        self.labels.append(labels)
+        self.tokens += len(ids)
+        if self.tokens >= WRITE_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.ids:
+            return
+        pa = self.pa
+        offsets = pa.array(np.concatenate([[0], np.cumsum([len(x) for x in self.ids])]).astype(np.int32))
+        cols = [pa.ListArray.from_arrays(offsets, pa.array(np.concatenate(x).astype(np.int32)))
+                for x in (self.ids, self.labels)]
+        self.writer.write_batch(pa.record_batch(cols, schema=self.schema))
+        self.ids, self.labels, self.tokens = [], [], 0
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+
+
+class DocStore:
+    """Random access to the documents of a DocWriter file, memory-mapped (no copy into RAM)."""
+
+    def __init__(self, path: Path):
+        import pyarrow as pa
+
+        reader = pa.ipc.open_file(pa.memory_map(str(path)))
+        self.batches = []
+        starts = [0]
+        for b in range(reader.num_record_batches):
+            rb = reader.get_batch(b)
+            ids, labels = rb.column(0), rb.column(1)
+            self.batches.append((ids.offsets.to_numpy(), ids.values.to_numpy(), labels.values.to_numpy()))
+            starts.append(starts[-1] + rb.num_rows)
+        self.starts = np.asarray(starts)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        b = int(np.searchsorted(self.starts, i, side="right")) - 1
+        off, ids, labels = self.batches[b]
+        j = i - int(self.starts[b])
+        return ids[off[j]: off[j + 1]], labels[off[j]: off[j + 1]]
+
+
+def _jobs(r: Recipe, plan):
+    chunk = []
+    for row in mixture(r.data.sources, r.data.seed, plan):
+        src = r.data.sources[row.source]
+        chunk.append((row.where, src.format, src.columns, row.data, row.error, r.data.loss_on))
+        if len(chunk) >= CHUNK_ROWS:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def tokenize_to_disk(r: Recipe, tok, path: Path) -> dict:
+    """Stream rows -> documents in `path`; returns counts, per-document lengths and label counts."""
+    counts = {"rows_in": 0, "bad_skipped": 0, "truncated": 0, "dropped_overlong": 0, "dropped_no_labels": 0,
+              "docs_out": 0}
+    bad_examples: list[str] = []
+    plan = mixture_plan(r.data.sources, r.data.seed)
+    total = sum(p["taken"] for p in plan)
+    lengths, n_labels = [], []
+    writer = DocWriter(path)
+    seq_len = r.data.seq_len
     try:
-        conv = to_messages(row, fmt, columns, where)
-        if isinstance(conv, str):
-            return where, encode_text(_TOK, conv)
-        return where, encode_chat(_TOK, conv, loss_on, where)
-    except BadSample as e:
-        return where, e
+        with tqdm(total=total, desc="prepare: tokenize", unit="row", mininterval=2, disable=None) as bar:
+            for results in _ordered_map(_encode_chunk, _jobs(r, plan), r.data.num_proc, tok):
+                bar.update(len(results))
+                for where, res in results:
+                    counts["rows_in"] += 1
+                    if isinstance(res, BadSample):
+                        if r.data.on_bad_sample == "error":
+                            raise BadSample(res.where, res.reason, (res.fix + " " if res.fix else "") + SKIP_HINT)
+                        counts["bad_skipped"] += 1
+                        if len(bad_examples) < 20:
+                            bad_examples.append(str(res))
+                        continue
+                    ids, labels = res
+                    if len(ids) > seq_len:
+                        if r.data.overlong == "drop":
+                            counts["dropped_overlong"] += 1
+                            continue
+                        counts["truncated"] += 1
+                        ids, labels = ids[:seq_len], labels[:seq_len]
+                    n_lab = int(np.count_nonzero(labels != IGNORE))
+                    if n_lab == 0:
+                        # Truncation removed every label token: a 0/0 loss. Counted, never kept.
+                        counts["dropped_no_labels"] += 1
+                        continue
+                    writer.add(ids, labels)
+                    lengths.append(len(ids))
+                    n_labels.append(n_lab)
+    finally:
+        writer.close()
+    counts["docs_out"] = len(lengths)
+    per_source = [{"path": s.path, "weight": s.weight, "rows": p["rows"], "taken": p["taken"]}
+                  for s, p in zip(r.data.sources, plan)]
+    return {"counts": counts, "bad_examples": bad_examples, "sources": per_source,
+            "lengths": np.asarray(lengths, dtype=np.int64), "n_labels": np.asarray(n_labels, dtype=np.int64)}
 
 
-def _percentiles(lengths: list[int]) -> dict:
-    if not lengths:
+def _split_eval(n: int, frac: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, eval) document indices, both in document order."""
+    if frac <= 0 or n < 2:
+        return np.arange(n), np.arange(0)
+    idx = np.random.default_rng(seed).permutation(n)
+    n_eval = min(n - 1, max(1, int(round(frac * n))))
+    is_eval = np.zeros(n, dtype=bool)
+    is_eval[idx[:n_eval]] = True
+    return np.flatnonzero(~is_eval), np.flatnonzero(is_eval)
+
+
+def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Recipe, pad_id: int,
+                work: Path, dest: Path, desc: str) -> dict:
+    """Packed (or one-per-document) rows of the documents `doc_idx` -> a `datasets` folder at dest."""
+    import pyarrow as pa
+    from datasets import Dataset
+
+    schema = pa.schema([(k, pa.list_(pa.int32())) for k in ("input_ids", "labels", "position_ids")])
+    arrow = work / f"{desc}.arrow"
+    n_rows, padding, total = 0, 0, 0
+    if r.data.packing:
+        bins = best_fit_decreasing(lengths[doc_idx], r.data.seq_len)
+        rows = iter_packed(bins, lambda k: store[int(doc_idx[k])], r.data.seq_len, pad_id)
+        n_total = len(bins)
+    else:
+        def rows_unpacked():
+            for i in doc_idx.tolist():
+                ids, labels = store[i]
+                yield {"input_ids": ids, "labels": labels, "position_ids": np.arange(len(ids), dtype=np.int32)}, 0
+        rows, n_total = rows_unpacked(), len(doc_idx)
+
+    buf: dict[str, list] = {k: [] for k in schema.names}
+    buf_tokens = 0
+
+    def flush(w):
+        nonlocal buf, buf_tokens
+        if buf["input_ids"]:
+            cols = []
+            for k in schema.names:
+                offsets = np.concatenate([[0], np.cumsum([len(x) for x in buf[k]])]).astype(np.int32)
+                cols.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(buf[k]).astype(np.int32))))
+            w.write_batch(pa.record_batch(cols, schema=schema))
+        buf = {k: [] for k in schema.names}
+        buf_tokens = 0
+
+    with pa.ipc.new_stream(str(arrow), schema) as w, \
+            tqdm(total=n_total, desc=f"prepare: write {desc}", unit="seq", mininterval=2, disable=None) as bar:
+        for row, pad in rows:
+            for k in schema.names:
+                buf[k].append(row[k])
+            n_rows += 1
+            padding += pad
+            total += len(row["input_ids"])
+            buf_tokens += len(row["input_ids"])
+            bar.update(1)
+            if buf_tokens >= WRITE_TOKENS:
+                flush(w)
+        flush(w)
+    import datasets
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # our own bar above already covered this
+    try:
+        ds = Dataset.from_file(str(arrow))
+        ds.save_to_disk(str(dest))
+        del ds
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+    arrow.unlink()
+    return {"rows": n_rows, "padding": padding, "total_tokens": total}
+
+
+def _percentiles(lengths) -> dict:
+    if len(lengths) == 0:
         return {}
     q = np.percentile(lengths, [0, 50, 90, 99, 100])
     return {k: int(v) for k, v in zip(["min", "p50", "p90", "p99", "max"], q)}
 
 
-def tokenize_all(r: Recipe, tok) -> tuple[list, dict]:
-    counts = {"rows_in": 0, "bad_skipped": 0, "truncated": 0, "dropped_overlong": 0, "docs_out": 0}
-    bad_examples: list[str] = []
-    jobs = []
-    for row in mixture(r.data.sources, r.data.seed):
-        counts["rows_in"] += 1
-        src = r.data.sources[row.source]
-        if row.error is not None:
-            jobs.append((row.where, None, None, row.error, None))
-        else:
-            jobs.append((row.where, src.format, src.columns, row.data, r.data.loss_on))
-    docs = []
-    if r.data.num_proc > 1:
-        pool = Pool(r.data.num_proc, initializer=_init_worker, initargs=(tok.name_or_path,))
-        results = pool.imap(_encode_or_error, jobs, chunksize=256)
-    else:
-        _init_worker(tok)
-        pool, results = None, map(_encode_or_error, jobs)
-    try:
-        for where, res in tqdm(results, total=len(jobs), desc="tokenize", unit="row", mininterval=2,
-                               disable=None):
-            if isinstance(res, BadSample):
-                if r.data.on_bad_sample == "error":
-                    raise res
-                counts["bad_skipped"] += 1
-                if len(bad_examples) < 20:
-                    bad_examples.append(str(res))
-                continue
-            ids, labels = res
-            if len(ids) > r.data.seq_len:
-                if r.data.overlong == "drop":
-                    counts["dropped_overlong"] += 1
-                    continue
-                counts["truncated"] += 1
-                ids, labels = ids[: r.data.seq_len], labels[: r.data.seq_len]
-            if not any(x != IGNORE for x in labels):
-                # Truncation removed every label token: a 0/0 loss. Counted, never kept.
-                counts["dropped_no_labels"] = counts.get("dropped_no_labels", 0) + 1
-                continue
-            docs.append((ids, labels))
-    finally:
-        if pool is not None:
-            pool.terminate()
-    counts["docs_out"] = len(docs)
-    return docs, {"counts": counts, "bad_examples": bad_examples}
-
-
-def _encode_or_error(job):
-    where, fmt, columns, row, loss_on = job
-    if isinstance(row, BadSample):
-        return where, row
-    return _encode(job)
-
-
-def _split_eval(docs, frac: float, seed: int):
-    if frac <= 0:
-        return docs, []
-    rng = np.random.default_rng(seed)
-    idx = rng.permutation(len(docs))
-    n_eval = max(1, int(round(frac * len(docs))))
-    ev = set(idx[:n_eval].tolist())
-    return [d for i, d in enumerate(docs) if i not in ev], [d for i, d in enumerate(docs) if i in ev]
-
-
-def _rows(docs, r: Recipe, pad_id: int):
-    if r.data.packing:
-        return pack(docs, r.data.seq_len, pad_id)
-    return [{"input_ids": ids, "labels": lab, "position_ids": list(range(len(ids)))} for ids, lab in docs], 0
-
-
-def _histogram(lengths: list[int], seq_len: int, path: Path) -> None:
+def _histogram(lengths, seq_len: int, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -190,9 +400,7 @@ def _histogram(lengths: list[int], seq_len: int, path: Path) -> None:
     plt.close(fig)
 
 
-def prepare(r: Recipe, force: bool = False) -> dict:
-    from datasets import Dataset
-
+def prepare(r: Recipe, force: bool = False, histogram: bool = True) -> dict:
     if not r.data.sources:
         raise ValueError(f"recipe {r.name}: data.sources is empty; list at least one file or hub data set.")
     tok = load_tokenizer(r)
@@ -205,48 +413,60 @@ def prepare(r: Recipe, force: bool = False) -> dict:
         print(f"prepare: cache hit ({out}, fingerprint {fp['fingerprint']}); nothing to do")
         return old
 
-    docs, info = tokenize_all(r, tok)
-    if not docs:
-        raise ValueError(f"recipe {r.name}: no usable samples after preparation ({info['counts']}).")
-    train_docs, eval_docs = _split_eval(docs, r.data.eval_fraction, r.data.seed)
-    train_rows, train_pad = _rows(train_docs, r, tok.pad_token_id)
-    eval_rows, _ = _rows(eval_docs, r, tok.pad_token_id)
-
-    # Write next to the old cache and swap at the end: a failure leaves the old cache intact.
+    # Build next to the old cache and swap at the end: a failure leaves the old cache intact.
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    Dataset.from_list(train_rows).save_to_disk(str(tmp / "train"))
-    if eval_rows:
-        Dataset.from_list(eval_rows).save_to_disk(str(tmp / "eval"))
-    lengths = [len(d[0]) for d in docs]
-    label_tokens = sum(sum(1 for x in d[1] if x != IGNORE) for d in train_docs)
-    real_tokens = sum(len(d[0]) for d in train_docs)
-    total_tokens = sum(len(x["input_ids"]) for x in train_rows)
-    manifest = {
-        "stage": "prepare",
-        "recipe": r.name,
-        **fp,
-        **info,
-        "sequences": {"train": len(train_rows), "eval": len(eval_rows)},
-        "tokens": {"train_real": real_tokens, "train_total": total_tokens, "train_label": label_tokens,
-                   "padding": train_pad if r.data.packing else None},
-        "packing": {"enabled": r.data.packing, "seq_len": r.data.seq_len,
-                    "efficiency": round(real_tokens / total_tokens, 4) if r.data.packing else None},
-        "doc_length": _percentiles(lengths),
-        "pad_token_id": tok.pad_token_id,
-    }
-    _histogram(lengths, r.data.seq_len, tmp / "lengths.png")
-    mf.write(tmp / "manifest.json", manifest)
-    mf.write_resolved_recipe(tmp, r)
+    work = tmp / "_build"
+    work.mkdir(parents=True)
+    t0 = time.perf_counter()
+    try:
+        info = tokenize_to_disk(r, tok, work / "docs.arrow")
+        t1 = time.perf_counter()
+        lengths, n_labels = info.pop("lengths"), info.pop("n_labels")
+        if len(lengths) == 0:
+            raise ValueError(f"recipe {r.name}: no usable samples after preparation ({info['counts']}).")
+        store = DocStore(work / "docs.arrow")
+        train_idx, eval_idx = _split_eval(len(lengths), r.data.eval_fraction, r.data.seed)
+        tr = _write_rows(store, train_idx, lengths, r, tok.pad_token_id, work, tmp / "train", "train")
+        ev = (_write_rows(store, eval_idx, lengths, r, tok.pad_token_id, work, tmp / "eval", "eval")
+              if len(eval_idx) else {"rows": 0})
+        del store
+        shutil.rmtree(work)
+        t2 = time.perf_counter()
+        real = int(lengths[train_idx].sum())
+        label_tokens = int(n_labels[train_idx].sum())
+        manifest = {
+            "stage": "prepare",
+            "recipe": r.name,
+            **fp,
+            **info,
+            "sequences": {"train": tr["rows"], "eval": ev["rows"]},
+            "tokens": {"train_real": real, "train_total": tr["total_tokens"], "train_label": label_tokens,
+                       "padding": tr["padding"] if r.data.packing else None},
+            "packing": {"enabled": r.data.packing, "seq_len": r.data.seq_len,
+                        "efficiency": round(real / tr["total_tokens"], 4) if r.data.packing else None},
+            "doc_length": _percentiles(lengths),
+            "pad_token_id": tok.pad_token_id,
+            "timing_s": {"tokenize": round(t1 - t0, 2), "pack_and_write": round(t2 - t1, 2)},
+        }
+        if histogram:
+            _histogram(lengths, r.data.seq_len, tmp / "lengths.png")
+        mf.write(tmp / "manifest.json", manifest)
+        mf.write_resolved_recipe(tmp, r)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old_dir = out.with_name(out.name + ".old")
+    shutil.rmtree(old_dir, ignore_errors=True)
     if out.exists():
-        shutil.rmtree(out)
+        os.replace(out, old_dir)
     os.replace(tmp, out)
+    shutil.rmtree(old_dir, ignore_errors=True)
     c = info["counts"]
     print(f"prepare: {c['rows_in']} rows -> {c['docs_out']} documents ({c['bad_skipped']} bad skipped, "
-          f"{c['truncated']} truncated, {c['dropped_overlong']} dropped) -> {len(train_rows)} train / "
-          f"{len(eval_rows)} eval sequences of <= {r.data.seq_len} tokens; {label_tokens:,} label tokens; "
-          f"packing efficiency {manifest['packing']['efficiency']}; wrote {out}")
+          f"{c['truncated']} truncated, {c['dropped_overlong']} dropped as over-long, {c['dropped_no_labels']} dropped "
+          f"with no label tokens left) -> {tr['rows']} train / {ev['rows']} eval sequences of <= {r.data.seq_len} "
+          f"tokens; {label_tokens:,} label tokens; packing efficiency {manifest['packing']['efficiency']}; wrote {out}")
     return manifest
 
 
@@ -255,10 +475,14 @@ def require_prepared(r: Recipe) -> dict:
     out = data_dir(r)
     m = mf.read(out / "manifest.json")
     if not m or not (out / "train").exists():
-        raise StaleDataError(f"no prepared data in {out}. Run `make data RECIPE={r.name}` first "
-                             "(data is prepared once, before launching training).")
-    fp = fingerprint(r, load_tokenizer(r))["fingerprint"]
-    if m.get("fingerprint") != fp:
-        raise StaleDataError(f"prepared data in {out} is stale (fingerprint {m.get('fingerprint')} != {fp}: the sources, "
-                             f"tokenizer or data section changed). Run `make data RECIPE={r.name}` again.")
+        raise StaleDataError(f"no prepared data in {out}. Run `make data RECIPE={r.name}` "
+                             f"(or `python -m zerotune prepare {r.name}`) first: data is prepared once, before "
+                             "launching training.")
+    fp = fingerprint(r, load_tokenizer(r))
+    if m.get("fingerprint") != fp["fingerprint"]:
+        changed = fingerprint_diff(m.get("inputs", {}), fp["inputs"])
+        shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+        raise StaleDataError(f"prepared data in {out} is stale (fingerprint {m.get('fingerprint')} != "
+                             f"{fp['fingerprint']}; changed: {shown or 'unknown'}). The sources, tokenizer or data "
+                             f"section changed since it was prepared. Run `make data RECIPE={r.name}` again.")
     return m

@@ -1,0 +1,330 @@
+"""`zerotune plan RECIPE` and `zerotune train RECIPE --dry-run`: will it fit, how long will it take.
+
+Everything is computed for the recipe's target cluster (`plan:`), not for this machine, so a
+laptop can plan a V100 job. Memory per GPU comes from planner/memory.py (DeepSpeed's estimator
+for model states + modelled buffers and activations); time from FLOPs at an assumed MFU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+from . import batch as batchmod
+from . import ds_config, hardware
+from . import manifest as mf
+from .config import Recipe
+from .planner.memory import GiB, ModelConfigError, memory_breakdown, model_shape
+
+
+class PlanError(RuntimeError):
+    """The recipe is predicted not to fit its target; the message says why and what to change."""
+
+
+SEQ_CHOICES = (2048, 4096, 8192, 16384, 32768)
+MICRO_CHOICES = (1, 2, 4, 8)
+DEFAULT_MFU = {"v100-32gb": 0.35, "t4": 0.30, "a100-80gb": 0.40, "h100-80gb": 0.35}
+MIN_STEPS = 20  # below this, warmup/cosine schedules and loss curves mean little
+# GGUF bits per weight (llama.cpp block formats: q8_0 = 34 bytes per 32 weights, k-quants mixed).
+GGUF_BPW = {"f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.69, "q4_k_m": 4.85, "q4_0": 4.5}
+T4_USABLE_GIB = 14.6
+T4_RUNTIME_OVERHEAD_GIB = 0.6  # CUDA context + llama.cpp compute buffers
+
+
+def _cluster(r: Recipe, gpu, gpus_per_node, nodes):
+    name = gpu or r.plan.gpu
+    if name not in hardware.GPUS:
+        raise PlanError(f"plan.gpu '{name}' unknown; choose one of {sorted(hardware.GPUS)}.")
+    g = hardware.GPUS[name]
+    return name, g, gpus_per_node or r.plan.gpus_per_node, nodes or r.plan.nodes
+
+
+def _capacity_bytes(r: Recipe, g: hardware.GPU, gpus_per_node: int) -> int:
+    if g.capability is None:  # CPU target: every process shares the node's RAM
+        return int(r.plan.cpu_ram_gb * 1e9 / gpus_per_node)
+    return int(g.memory_gib * GiB)
+
+
+def _memory(r, shape, choice, zero, seq, micro, gpus_per_node, nodes, g):
+    return memory_breakdown(shape, seq=seq, micro=micro, precision=choice.precision, attention=choice.attention,
+                            liger=choice.liger, checkpointing=r.train.gradient_checkpointing,
+                            packing=r.data.packing, zero=zero, gpus_per_node=gpus_per_node, nodes=nodes,
+                            gpu_is_cuda=g.capability is not None)
+
+
+def _step_time(r, shape, g, gpu_name, seq, world) -> dict:
+    """FLOPs per optimizer step and the time at the assumed MFU (counting all executed FLOPs)."""
+    T, N, L = r.train.global_batch_tokens, shape.n_params, shape.layers
+    ckpt = r.train.gradient_checkpointing
+    dense = 6 * N * T
+    recompute = 2 * N * T if ckpt else 0
+    # Causal attention, per token per layer: 2*S*q_dim forward (QK^T and PV, half the matrix),
+    # x3 for forward + backward, +1 forward again with recompute.
+    attention = (8 if ckpt else 6) * seq * shape.q_dim * L * T
+    total = dense + recompute + attention
+    mfu = r.plan.mfu or DEFAULT_MFU.get(gpu_name)
+    out = {"flops_per_step": total, "flops_dense": dense, "flops_recompute": recompute, "flops_attention": attention,
+           "mfu": mfu, "seconds_per_step": None}
+    if mfu and g.peak_tflops:
+        out["seconds_per_step"] = total / (world * g.peak_tflops * 1e12 * mfu)
+    return out
+
+
+def _data_steps(r: Recipe) -> dict:
+    man = mf.read(r.out / "data" / "manifest.json")
+    if not man or "tokens" not in man:
+        return {"train_tokens": None, "steps_per_epoch": None, "total_steps": None}
+    tokens = man["tokens"]["train_total"]
+    per_epoch = tokens / r.train.global_batch_tokens
+    total = r.train.max_steps if r.train.max_steps > 0 else math.floor(per_epoch * r.train.epochs)
+    return {"train_tokens": tokens, "steps_per_epoch": per_epoch, "total_steps": total}
+
+
+def _inference(r: Recipe, shape) -> dict:
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2  # K and V, f16
+    rows = {}
+    for q, bpw in GGUF_BPW.items():
+        size = shape.n_params * bpw / 8
+        free = T4_USABLE_GIB * GiB - size - T4_RUNTIME_OVERHEAD_GIB * GiB
+        ctx = min(shape.max_positions, int(free // kv_per_token)) if free > 0 else 0
+        rows[q] = {"gguf_bytes": int(size), "t4_fits": ctx >= 512, "t4_max_context": ctx}
+    return {"kv_bytes_per_token": kv_per_token, "t4_usable_gib": T4_USABLE_GIB, "quant": rows,
+            "recipe_quant": r.quantize.type}
+
+
+def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = None, nodes: int | None = None) -> dict:
+    gpu_name, g, gpn, nn = _cluster(r, gpu, gpus_per_node, nodes)
+    world = gpn * nn
+    try:
+        shape = model_shape(r)
+    except ModelConfigError as e:
+        raise PlanError(str(e)) from None
+    # Planning for the cluster, not this machine: assume flash-attn is installed where it can be.
+    fa2 = g.capability is not None and g.capability >= (8, 0)
+    choice = hardware.choose(g, r.train.precision, r.train.attention, r.train.liger, fa2_installed=fa2)
+    ds = ds_config.build(r)
+    zero = ds.get("zero_optimization") if ds else None
+    capacity = _capacity_bytes(r, g, gpn)
+
+    def fits(seq, micro):
+        mem = _memory(r, shape, choice, zero, seq, micro, gpn, nn, g)
+        return mem, mem["peak"] <= capacity
+
+    own_mem, own_fits = fits(r.data.seq_len, r.train.micro_batch_size)
+    try:
+        own_batch = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
+        batch_error = None
+    except batchmod.BatchError as e:
+        own_batch, batch_error = None, str(e)
+
+    options = []
+    seqs = sorted({s for s in SEQ_CHOICES if s <= shape.max_positions} | {r.data.seq_len})
+    for seq in seqs:
+        for micro in MICRO_CHOICES:
+            try:
+                bp = batchmod.derive(r.train.global_batch_tokens, seq, micro, world)
+            except batchmod.BatchError:
+                continue  # must reach global_batch_tokens exactly
+            mem, ok = fits(seq, micro)
+            options.append({"seq_len": seq, "micro_batch_size": micro, "grad_accum": bp.grad_accum,
+                            "peak_bytes": mem["peak"], "fits": ok,
+                            "recipe": seq == r.data.seq_len and micro == r.train.micro_batch_size})
+    fitting = [o for o in options if o["fits"]]
+    own = next((o for o in fitting if o["recipe"]), None)
+    # The recipe's own choice if it fits; else the longest sequence that fits, largest micro-batch.
+    rec = own or (max(fitting, key=lambda o: (o["seq_len"], o["micro_batch_size"])) if fitting else None)
+
+    suggestions = [] if rec else _suggestions(r, shape, choice, zero, gpn, nn, g, capacity)
+    time = _step_time(r, shape, g, gpu_name, rec["seq_len"] if rec else r.data.seq_len, world)
+    data = _data_steps(r)
+    warnings = []
+    if data["total_steps"] is not None and data["total_steps"] < MIN_STEPS:
+        warnings.append(f"only {data['total_steps']} optimizer steps in this run ({data['train_tokens']:,} tokens / "
+                        f"{r.train.global_batch_tokens:,} per step x {r.train.epochs} epochs): fewer than {MIN_STEPS} "
+                        "steps make warmup and cosine decay meaningless; lower train.global_batch_tokens or add data.")
+    if zero and (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"):
+        warnings.append("optimizer offload: steps are several times slower (PCIe traffic of 12 B/param); "
+                        "expect well above the time estimate.")
+        cpu_need = own_mem["cpu_bytes_per_node"]
+        if cpu_need > r.plan.cpu_ram_gb * 1e9:
+            warnings.append(f"CPU RAM: DeepSpeed estimates {cpu_need / 1e9:.0f} GB per node for offloaded states, "
+                            f"plan.cpu_ram_gb is {r.plan.cpu_ram_gb:g}.")
+    return {
+        "recipe": r.name, "model": {"config": shape.config_path, **{k: v for k, v in dataclasses.asdict(shape).items()
+                                                                   if k != "config_path"}},
+        "cluster": {"gpu": gpu_name, "gpu_name": g.name, "gpus_per_node": gpn, "nodes": nn, "world_size": world,
+                    "capacity_bytes": capacity},
+        "choice": {"precision": choice.precision, "attention": choice.attention, "liger": choice.liger,
+                   "reasons": list(choice.reasons)},
+        "recipe_config": {"seq_len": r.data.seq_len, "micro_batch_size": r.train.micro_batch_size,
+                          "grad_accum": own_batch.grad_accum if own_batch else None, "batch_error": batch_error,
+                          "global_batch_tokens": r.train.global_batch_tokens, "fits": own_fits and not batch_error},
+        "memory": {"parts": own_mem["parts"], "peak_bytes": own_mem["peak"], "capacity_bytes": capacity,
+                   "model_states_how": own_mem["model_states_how"], "logits_how": own_mem["logits_how"],
+                   "cpu_bytes_per_node": own_mem["cpu_bytes_per_node"]},
+        "options": options, "recommended": rec, "suggestions": suggestions,
+        "time": time, "data": data, "inference": _inference(r, shape), "warnings": warnings,
+    }
+
+
+def _suggestions(r, shape, choice, zero, gpn, nn, g, capacity) -> list[str]:
+    """Nothing fits: try the usual switches one at a time at the recipe's seq_len, report which work."""
+    seq, micro = r.data.seq_len, 1
+    out = []
+
+    def peak(ch=choice, z=zero, s=seq, n=gpn):
+        return _memory(r, shape, ch, z, s, micro, n, nn, g)["peak"]
+
+    if not choice.liger and g.capability is not None:
+        p = peak(ch=dataclasses.replace(choice, liger=True))
+        out.append(f"train.liger=on: {p / GiB:.1f} GiB ({'fits' if p <= capacity else 'still too big'})")
+    if zero is not None and int(zero.get("stage", 0)) == 3 and not zero.get("offload_optimizer"):
+        z = {**zero, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+        p = peak(z=z)
+        out.append(f"train.zero.offload_optimizer={{device: cpu}}: {p / GiB:.1f} GiB "
+                   f"({'fits' if p <= capacity else 'still too big'}; several times slower)")
+    for s in [x for x in SEQ_CHOICES if x < seq][::-1]:
+        p = peak(s=s)
+        if p <= capacity:
+            out.append(f"data.seq_len={s}: {p / GiB:.1f} GiB (fits)")
+            break
+    p = peak(n=gpn * 2)
+    out.append(f"twice the GPUs ({gpn * 2 * nn}): {p / GiB:.1f} GiB ({'fits' if p <= capacity else 'still too big'})")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- output
+
+def _gib(b) -> str:
+    return f"{b / GiB:6.2f} GiB"
+
+
+def format_plan(p: dict) -> str:
+    c, m, ch, rc = p["cluster"], p["memory"], p["choice"], p["recipe_config"]
+    lines = [f"plan: {p['recipe']} on {c['nodes']} x {c['gpus_per_node']} {c['gpu_name']} (world {c['world_size']}); "
+             f"model {p['model']['n_params']:,} parameters",
+             f"  {ch['precision']}, attention {ch['attention']}, liger {'on' if ch['liger'] else 'off'}",
+             f"\nper-GPU memory at seq_len {rc['seq_len']:,} x micro-batch {rc['micro_batch_size']}:"]
+    for k, v in m["parts"].items():
+        lines.append(f"  {k:<36} {_gib(v)}")
+    verdict = "fits" if m["peak_bytes"] <= m["capacity_bytes"] else "DOES NOT FIT"
+    lines.append(f"  {'predicted peak':<36} {_gib(m['peak_bytes'])}  of {_gib(m['capacity_bytes'])}: {verdict}")
+    lines.append(f"  model states: {m['model_states_how']}")
+    if rc["batch_error"]:
+        lines.append(f"  batch: {rc['batch_error']}")
+    lines.append("\nchoices reaching exactly {:,} tokens per optimizer step:".format(rc["global_batch_tokens"]))
+    lines.append(f"  {'seq_len':>8} {'micro':>5} {'GA':>6} {'peak':>10}  fits")
+    for o in p["options"]:
+        mark = " <- recommended" if o == p["recommended"] else ""
+        mark += " (recipe)" if o["recipe"] else ""
+        lines.append(f"  {o['seq_len']:>8,} {o['micro_batch_size']:>5} {o['grad_accum']:>6} {_gib(o['peak_bytes'])}"
+                     f"  {'yes' if o['fits'] else 'no '}{mark}")
+    if not p["recommended"]:
+        lines.append("  nothing fits. Try: " + "; ".join(p["suggestions"]))
+    t = p["time"]
+    lines.append(f"\ntime: {t['flops_per_step']:.3g} FLOPs per optimizer step (6NT {t['flops_dense']:.3g}, "
+                 f"recompute {t['flops_recompute']:.3g}, attention {t['flops_attention']:.3g})")
+    if t["seconds_per_step"]:
+        lines.append(f"  at {t['mfu']:.0%} MFU: {t['seconds_per_step']:,.0f} s = {t['seconds_per_step'] / 3600:.2f} h per step")
+    d = p["data"]
+    if d["steps_per_epoch"] is not None:
+        lines.append(f"  data: {d['train_tokens']:,} tokens = {d['steps_per_epoch']:.2f} optimizer steps per epoch; "
+                     f"{d['total_steps']} in this run")
+    else:
+        lines.append("  data: not prepared yet (run `zerotune prepare`) - steps per epoch unknown")
+    inf = p["inference"]
+    lines.append(f"\ninference (GGUF, T4 {inf['t4_usable_gib']} GiB usable, f16 KV {inf['kv_bytes_per_token'] / 1024:g} KiB/token):")
+    for q, row in inf["quant"].items():
+        mark = " (recipe)" if q == inf["recipe_quant"] else ""
+        lines.append(f"  {q:<7} {_gib(row['gguf_bytes'])}  T4: " + (f"fits, up to {row['t4_max_context']:,} tokens context"
+                                                                   if row["t4_fits"] else "does not fit") + mark)
+    for w in p["warnings"]:
+        lines.append(f"WARNING: {w}")
+    return "\n".join(lines)
+
+
+def plot_memory(p: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = p["memory"]["parts"]
+    fig, ax = plt.subplots(figsize=(6, 6))
+    bottom = 0.0
+    colors = plt.get_cmap("tab20").colors  # 11+ parts: tab10 would repeat a colour
+    for i, (name, b) in enumerate(parts.items()):
+        ax.bar([0], [b / GiB], bottom=bottom, color=colors[i % len(colors)], label=f"{name} ({b / GiB:.2f})")
+        bottom += b / GiB
+    ax.axhline(p["memory"]["capacity_bytes"] / GiB, color="k", linestyle="--", label="GPU memory")
+    ax.set_xticks([0], [f"seq {p['recipe_config']['seq_len']} x micro {p['recipe_config']['micro_batch_size']}"])
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(f"{p['recipe']}: {p['cluster']['world_size']} x {p['cluster']['gpu_name']}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plan_main(r: Recipe, as_json: bool = False) -> int:
+    try:
+        p = compute_plan(r)
+    except (PlanError, hardware.CapabilityError) as e:
+        print(f"zerotune plan: {e}")
+        return 2
+    out = r.out / "plan"
+    plot_memory(p, out / "memory.png")
+    mf.write(out / "plan.json", p)
+    print(json.dumps(p, indent=2, default=str) if as_json else format_plan(p) + f"\n\nwrote {out / 'memory.png'}")
+    return 0 if p["recipe_config"]["fits"] else 1
+
+
+def preflight(r: Recipe) -> dict:
+    """Raise PlanError if the recipe is predicted not to fit its target; skipped for CPU targets."""
+    if r.plan.gpu == "cpu":
+        return {"skipped": "plan.gpu is cpu"}
+    p = compute_plan(r)
+    rc, m = p["recipe_config"], p["memory"]
+    if rc["batch_error"]:
+        raise PlanError(rc["batch_error"])
+    if not rc["fits"]:
+        rec = p["recommended"]
+        fix = (f"use data.seq_len={rec['seq_len']} train.micro_batch_size={rec['micro_batch_size']}" if rec
+               else "; ".join(p["suggestions"]))
+        raise PlanError(f"predicted peak {m['peak_bytes'] / GiB:.1f} GiB per GPU exceeds {m['capacity_bytes'] / GiB:.1f} GiB "
+                        f"on {p['cluster']['gpu_name']} at seq_len {rc['seq_len']} x micro-batch "
+                        f"{rc['micro_batch_size']}. Suggested: {fix}. (`zerotune plan {r.name}` shows the breakdown; "
+                        "--force skips this check.)")
+    return p
+
+
+def dry_run(r: Recipe) -> str:
+    """The resolved plan for the target cluster, without a GPU."""
+    p = compute_plan(r)
+    c, ch, rc, m = p["cluster"], p["choice"], p["recipe_config"], p["memory"]
+    ga = rc["grad_accum"]
+    tokens = rc["seq_len"] * rc["micro_batch_size"] * c["world_size"] * ga if ga else None
+    lines = [f"dry run: {r.name} (nothing launched)",
+             f"  target         {c['nodes']} node(s) x {c['gpus_per_node']} {c['gpu_name']}",
+             f"  world size     {c['world_size']}",
+             f"  precision      {ch['precision']}",
+             f"  attention      {ch['attention']}",
+             f"  Liger kernels  {'on' if ch['liger'] else 'off'}",
+             f"  seq_len        {rc['seq_len']:,}",
+             f"  micro-batch    {rc['micro_batch_size']}",
+             f"  grad-accum     {ga if ga else 'INVALID: ' + rc['batch_error']}",
+             f"  tokens/step    {tokens:,}" if tokens else "  tokens/step    n/a",
+             f"  gradient checkpointing {'on' if r.train.gradient_checkpointing else 'off'}; "
+             f"DeepSpeed {r.train.deepspeed or 'off'}",
+             f"  memory/GPU     {m['peak_bytes'] / GiB:.2f} GiB predicted of {m['capacity_bytes'] / GiB:.2f} GiB: "
+             f"{'fits' if m['peak_bytes'] <= m['capacity_bytes'] else 'DOES NOT FIT'}"]
+    for k, v in m["parts"].items():
+        lines.append(f"    {k:<36} {v / GiB:6.2f} GiB")
+    if p["time"]["seconds_per_step"]:
+        lines.append(f"  time/step      {p['time']['seconds_per_step'] / 3600:.2f} h at {p['time']['mfu']:.0%} MFU")
+    for why in ch["reasons"]:
+        lines.append(f"  ({why})")
+    lines += [f"  WARNING: {w}" for w in p["warnings"]]
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The planner's memory model (see plan.py for the CLI side)."""

@@ -1,0 +1,270 @@
+"""Per-GPU training memory for a Llama-architecture model: model states, DeepSpeed buffers, activations.
+
+Model states come from DeepSpeed's own estimator (so `zerotune plan` and DeepSpeed's docs agree);
+everything the estimator leaves out is modelled here, term by term, so the breakdown sums to the
+predicted peak. The activation terms mirror what transformers' Llama code saves for backward; they
+are validated on CPU in tests/test_activation_memory.py (measured with saved_tensors_hooks, within
+a few percent). Terms that hooks cannot see (backward transients, the persistent attention mask,
+Liger's fused loss buffers) are modelled from the kernels' source and covered by the margin.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import REPO_ROOT, Recipe, resolve_path
+
+GiB = 1024 ** 3
+CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, per process
+ALLOCATOR_MARGIN = 0.05  # fragmentation of PyTorch's caching allocator, as a fraction of everything else
+LLAMA31_8B_CONFIG = REPO_ROOT / "configs" / "models" / "llama31_8b.json"
+
+
+class ModelConfigError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_params: int
+    largest_layer_params: int  # as DeepSpeed counts it: parameters owned directly by one module
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    config_path: str
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+
+def config_source(r: Recipe) -> Path:
+    """Where the model's config.json comes from, without the hub."""
+    if r.model.init_config:
+        return resolve_path(r.model.init_config)
+    name = r.model.name_or_path or ""
+    local = resolve_path(name)
+    if local is not None and (local / "config.json").exists():
+        return local / "config.json"
+    if re.match(r"^(meta-llama/)?(Meta-)?Llama-3\.1-8B", name, re.IGNORECASE):
+        return LLAMA31_8B_CONFIG  # the public config, shipped: planning needs no download
+    raise ModelConfigError(
+        f"model.name_or_path '{name}': no local folder with a config.json and no shipped config for it. "
+        "Download the model (or just its config.json) into a folder and point model.name_or_path at it.")
+
+
+@functools.lru_cache(maxsize=16)
+def _shape_from_config(path: str) -> ModelShape:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(path)
+    # Meta device: exact parameter count at no memory cost (8B: 8,030,261,248).
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = sum({id(p): p.numel() for p in model.parameters()}.values())  # tied weights once
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return ModelShape(total, largest, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                      getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim,
+                      cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, path)
+
+
+def model_shape(r: Recipe) -> ModelShape:
+    return _shape_from_config(str(config_source(r)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+# ---------------------------------------------------------------------------------------------
+
+def _attention_has_mask(attention: str, packing: bool, micro: int, padded: bool | None = None) -> bool:
+    # Packed rows (position_ids restarting at 0) or padded micro-batches give sdpa/eager a dense
+    # (micro, 1, S, S) mask; flash_attention_2 uses varlen sequence boundaries instead. Unpacked
+    # data with micro-batch > 1 is padded (length-grouped), unless the caller says otherwise.
+    if padded is None:
+        padded = micro > 1 and not packing
+    return attention != "flash_attention_2" and (packing or padded)
+
+
+def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, attention: str = "sdpa",
+                     checkpointing: bool = True, packing: bool = False, liger: bool = False,
+                     padded: bool | None = None) -> dict:
+    """Bytes of tensors saved for backward (deduplicated by storage), per rank, for one micro-batch.
+
+    attention: "sdpa" = a fused kernel that keeps no S x S matrix (CUDA memory-efficient on V100/T4;
+    on CPU, torch 2.13 picks its flash-attention CPU kernel, which saves the same tensors);
+    "flash_attention_2" = the same without a mask; "eager" = materialised S^2 scores per head.
+    Returns the parts and `saved_peak`, the most bytes alive at once (end of forward without
+    checkpointing; with it, the larger of end of forward and the last layer's recompute).
+    """
+    e, b, S, h, I = dtype_bytes, micro, seq, m.hidden, m.intermediate
+    T = b * S  # tokens in the micro-batch
+    a = m.heads
+    mask = _attention_has_mask(attention, packing, micro, padded)
+    grouped = m.kv_heads != m.heads
+
+    # RMSNorm. HF upcasts: an fp32 copy of the input (the input itself in fp32), the normalised
+    # tensor cast back to the model dtype, the output (saved by the next matmuls), 1/rms in fp32.
+    # Liger's kernel saves only its input and 1/rms; its output is saved by the next matmuls.
+    norm = (2 * e * T * h + 4 * T) if liger else (4 * T * h + 2 * e * T * h + 4 * T)
+
+    # Attention. RoPE saves only cos/sin (shared by all layers): q, k do not need grad w.r.t. cos.
+    if attention == "eager":
+        kv = 2 * e * T * (m.q_dim if grouped else m.kv_dim)  # repeat_kv copies (or k, v themselves)
+        scores = 4 * b * a * S * S + (e * b * a * S * S if e < 4 else 0)  # fp32 softmax + cast copy
+        attn = e * T * m.q_dim + kv + scores + e * T * m.q_dim  # q, k/v, scores, o_proj input
+    else:
+        if mask:
+            # transformers repeats k/v when a mask is given; torch converts the bool mask to the
+            # query dtype and the kernel saves it: micro x S x S x e per layer being differentiated.
+            kv = 2 * e * T * m.q_dim + e * b * S * S
+        else:
+            kv = 2 * e * T * m.kv_dim  # native GQA: k, v at kv heads
+        # q, k, v, output (shared with o_proj's input), logsumexp in fp32
+        attn = e * T * m.q_dim + kv + e * T * m.q_dim + 4 * b * a * S
+    # SwiGLU MLP: gate, up, silu(gate), product (HF); Liger recomputes silu in backward.
+    mlp = (3 if liger else 4) * e * T * I
+    layer = 2 * norm + attn + mlp
+
+    ids = 8 * T
+    rope = 2 * (b if packing else 1) * S * m.head_dim * e  # cos, sin: per sample when positions restart
+    final_norm = norm
+    loss = 0 if liger else 4 * T * m.vocab + 8 * b * (S + 1) + 4  # log-softmax output (fp32), labels
+    layer_inputs = m.layers * e * T * h
+
+    if not checkpointing:
+        fwd_end = ids + rope + m.layers * layer + final_norm + loss
+        peak = fwd_end
+        recompute = 0
+    else:
+        fwd_end = ids + layer_inputs + final_norm + loss
+        # Recomputing the last layer: every checkpointed input is still alive. In fp32 (or with
+        # Liger) the norm saves its input tensor itself, i.e. the checkpointed input: count it once.
+        dedup = e * T * h if (e == 4 or liger) else 0
+        recompute = layer + rope - dedup
+        peak = max(fwd_end, ids + layer_inputs + recompute)
+    return {"layer": layer, "per_layer": {"norms": 2 * norm, "attention": attn, "mlp": mlp},
+            "layer_inputs": layer_inputs if checkpointing else 0, "recompute": recompute,
+            "final_norm": final_norm, "loss_saved": loss, "small": ids + rope,
+            "forward_end": fwd_end, "saved_peak": peak}
+
+
+def persistent_mask_bytes(micro: int, seq: int, dtype_bytes: int, attention: str, packing: bool) -> int:
+    """The mask transformers builds once per forward and every layer reads (not a saved tensor)."""
+    if not _attention_has_mask(attention, packing, micro):
+        return 0
+    return micro * seq * seq * (dtype_bytes if attention == "eager" else 1)  # eager: additive float; sdpa: bool
+
+
+def logits_loss_bytes(m: ModelShape, tokens: int, dtype_bytes: int, liger: bool) -> tuple[int, str]:
+    """Peak of the output layer + cross entropy for one micro-batch."""
+    if not liger:
+        # HF: logits upcast to fp32, log-softmax output saved, then its gradient and the input
+        # gradient in backward: ~12 B x vocab per token (NOTES), whatever the model dtype.
+        return 12 * m.vocab * tokens, "fp32 logits, log-softmax and their gradients (12 B x vocab x tokens)"
+    # Liger fused linear cross entropy: logits only for a chunk of tokens at a time, but the
+    # gradients of the input and of lm_head.weight are computed in forward and kept until backward.
+    inc = math.ceil(m.vocab / m.hidden)
+    chunk = min(tokens, 1 << max(0, math.ceil(math.log2(math.ceil(tokens / inc)))))
+    b = chunk * m.vocab * dtype_bytes + tokens * m.hidden * dtype_bytes + m.vocab * m.hidden * dtype_bytes + 4 * tokens
+    return b, f"Liger fused CE: {chunk}-token logits chunk + input grad + lm_head weight grad"
+
+
+# ---------------------------------------------------------------------------------------------
+# Model states and DeepSpeed buffers
+# ---------------------------------------------------------------------------------------------
+
+def _num(v, auto):
+    return auto if v in (None, "auto") else int(float(v))
+
+
+def model_states_bytes(m: ModelShape, zero: dict | None, gpus_per_node: int, nodes: int) -> tuple[int, int, str]:
+    """(per-GPU bytes, per-node CPU bytes, how it was computed) for the ZeRO stage and offload in use."""
+    world = gpus_per_node * nodes
+    if zero is None:
+        # No DeepSpeed: every rank holds 16-bit weights + grads and fp32 master + Adam moments.
+        return 16 * m.n_params, 0, "no DeepSpeed: 16 B/param on every GPU (2 weights + 2 grads + 12 Adam/fp32 master)"
+    stage = int(zero.get("stage", 0))
+    off_opt = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+    off_par = (zero.get("offload_param") or {}).get("device", "none") in ("cpu", "nvme")
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total_params=m.n_params, largest_layer_params=m.largest_layer_params,
+            num_gpus_per_node=gpus_per_node, num_nodes=nodes, cpu_offload=off_opt,
+            cpu_offload_params=off_par, zero_init=True)
+        how = (f"DeepSpeed estimate_zero3_model_states_mem_needs({m.n_params:,}, {m.largest_layer_params:,}, "
+               f"{gpus_per_node}, {nodes}, cpu_offload={off_opt}, cpu_offload_params={off_par}, zero_init=True)")
+        return gpu, cpu, how
+    if stage in (1, 2):
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+        cpu, gpu = estimate_zero2_model_states_mem_needs(m.n_params, gpus_per_node, nodes, cpu_offload=off_opt)
+        return gpu, cpu, f"DeepSpeed estimate_zero2_model_states_mem_needs (stage {stage}; stage 1 keeps full grads: optimistic)"
+    return 16 * m.n_params, 0, "ZeRO stage 0: 16 B/param on every GPU"
+
+
+def deepspeed_buffers(m: ModelShape, zero: dict | None, world: int, dtype_bytes: int) -> dict:
+    """What ZeRO-3 allocates beyond the estimator's model states (bytes per GPU)."""
+    if zero is None or int(zero.get("stage", 0)) != 3:
+        return {}
+    h = m.hidden
+    off_opt = (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+    per_rank = math.ceil(m.n_params / world)
+    out = {}
+    if not off_opt:
+        # The optimizer step upcasts one sub-group of gradients to fp32 at a time.
+        out["fp32 grad sub-group"] = 4 * min(_num(zero.get("sub_group_size"), 10 ** 9), per_rank)
+    # The Trainer fills the 'auto' buckets from the hidden size: h^2 and 0.9 h^2 elements.
+    reduce = _num(zero.get("reduce_bucket_size"), h * h) * dtype_bytes
+    out["reduce bucket"] = reduce * (2 if zero.get("overlap_comm", True) else 1)  # double-buffered with overlap
+    out["prefetch bucket"] = _num(zero.get("stage3_prefetch_bucket_size"), int(0.9 * h * h)) * dtype_bytes
+    # Gathered 16-bit parameters: up to stage3_max_live_parameters. The estimator already holds
+    # 4 B x largest layer for gathering; count only what exceeds it.
+    live = min(_num(zero.get("stage3_max_live_parameters"), 10 ** 9), m.n_params) * dtype_bytes
+    out["live gathered params"] = max(0, live - 4 * m.largest_layer_params)
+    return out
+
+
+def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, attention: str, liger: bool,
+                     checkpointing: bool, packing: bool, zero: dict | None, gpus_per_node: int, nodes: int,
+                     gpu_is_cuda: bool = True) -> dict:
+    """Ordered {component: bytes} per GPU plus the peak (their sum) and notes."""
+    e = 2 if precision in ("fp16", "bf16") else 4
+    world = gpus_per_node * nodes
+    states, cpu_bytes, how = model_states_bytes(m, zero, gpus_per_node, nodes)
+    act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger)
+    parts = {"model states (DeepSpeed estimator)": states}
+    parts.update(deepspeed_buffers(m, zero, world, e))
+    if checkpointing:
+        parts["checkpointed layer inputs"] = act["layer_inputs"] + act["final_norm"] + act["small"]
+        # One layer's recompute: its saved tensors plus the gradients flowing through it
+        # (about one intermediate-size and two hidden-size tensors; not visible to saved-tensor hooks).
+        parts["one-layer recompute"] = act["recompute"] + e * micro * seq * (m.intermediate + 2 * m.hidden)
+    else:
+        parts["activations (all layers)"] = act["forward_end"] - act["loss_saved"]
+    parts["attention mask"] = persistent_mask_bytes(micro, seq, e, attention, packing)
+    logits, logits_how = logits_loss_bytes(m, micro * seq, e, liger)
+    parts["logits + loss"] = logits
+    if gpu_is_cuda:
+        parts["CUDA context"] = CUDA_CONTEXT_BYTES
+    subtotal = sum(parts.values())
+    parts["allocator margin"] = int(ALLOCATOR_MARGIN * subtotal)
+    return {"parts": parts, "peak": sum(parts.values()), "cpu_bytes_per_node": cpu_bytes,
+            "model_states_how": how, "logits_how": logits_how, "activation_detail": act,
+            "dtype_bytes": e}

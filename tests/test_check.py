@@ -1,0 +1,108 @@
+"""check: T4 fit arithmetic (pure), and the GGUF against the HF model it came from (integration)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerotune.check import T4_OVERHEAD_GIB, T4_USABLE_GIB, gguf_answers, load_gguf, logit_agreement, speed, t4_fit
+
+REPO = Path(__file__).resolve().parents[1]
+KL_TEXTS = [
+    "The quick brown fox jumps over the lazy dog, and then it runs back into the forest to find its den.",
+    "Repeat after me: red cat apple. You said: red cat apple. Repeat after me: blue dog chair.",
+    "Größenwahn, café, naïve façade — déjà vu. 日本語のテキストと中文文本。Привет, как дела?",
+    "def f(x):\n    return x ** 2 + 3 * x - 7\n\nprint([f(i) for i in range(10)])",
+]
+
+
+def test_t4_fit_llama31_8b_q8_0():
+    cfg = json.loads((REPO / "configs" / "models" / "llama31_8b.json").read_text())
+    res = t4_fit(8_540_000_000, cfg, 8192)  # the 8B Q8_0 file: 8.54 GB = 7.95 GiB
+    assert res["kv_cache_kib_per_token"] == 128  # 2 (K,V) x 32 layers x 8 KV heads x 128 dims x 2 bytes
+    assert res["weights_gib"] == pytest.approx(7.95, abs=0.01)
+    assert res["needed_gib"] == pytest.approx(7.954 + 1.0 + T4_OVERHEAD_GIB, abs=0.01)  # 1 GiB KV at 8K
+    assert res["fits"] is True
+    expected_max = int((T4_USABLE_GIB - 8_540_000_000 / 2**30 - T4_OVERHEAD_GIB) * 2**30 // (128 * 1024))
+    assert res["max_context_that_fits"] == expected_max and 45_000 < expected_max < 55_000
+    assert t4_fit(8_540_000_000, cfg, 131072)["fits"] is False  # the full 128K context does not fit
+    # A file larger than the T4: nothing fits, and the largest context is 0, not negative.
+    big = t4_fit(16 * 2**30, cfg, 8192)
+    assert big["fits"] is False and big["max_context_that_fits"] == 0
+
+
+def test_t4_fit_head_dim_defaults_to_hidden_over_heads():
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "max_position_embeddings": 1024}
+    res = t4_fit(10 * 2**20, cfg, 256)
+    assert res["kv_cache_kib_per_token"] == 2 * 2 * 4 * 16 * 2 / 1024  # no GQA: KV heads = attention heads
+    assert res["max_context_that_fits"] == 1024  # capped by the model's own maximum
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_gguf):
+    llm = load_gguf(tiny_gguf, n_ctx=512)
+    yield llm
+    llm.close()
+
+
+@pytest.mark.integration
+def test_logit_agreement_q8_0_vs_hf(llm, tiny_model_dir, tokenizer):
+    docs = [tokenizer(t)["input_ids"] for t in KL_TEXTS]
+    res = logit_agreement(llm, tiny_model_dir, docs)
+    print(f"\nQ8_0 vs HF: {res}")
+    assert res["positions"] == sum(len(d) for d in docs)
+    assert res["mean_kl"] <= 0.01
+    # The random model's distributions are near-flat (median top-1/top-2 margin ~0.1 nats): Q8_0 noise flips
+    # argmaxes between near-ties (~10% of positions) while KL stays tiny. Demand 0.98 where ties are resolved.
+    assert res["top1_near_tie_agreement"] >= 0.98
+    assert res["top1_agreement"] >= 0.8
+    assert res["ppl_ratio"] == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.integration
+def test_logit_agreement_needs_all_logits(tiny_gguf, tiny_model_dir):
+    last_only = load_gguf(tiny_gguf, n_ctx=64, logits_all=False)
+    try:
+        with pytest.raises(ValueError, match="logits_all"):
+            logit_agreement(last_only, tiny_model_dir, [[128000, 9906, 1917]])
+    finally:
+        last_only.close()
+
+
+@pytest.mark.integration
+def test_gguf_answers_use_the_embedded_chat_template(llm, tiny_model_dir):
+    """A random model need not stop, so check the prompt instead: the tokens the GGUF is fed for a chat are
+    exactly HF's apply_chat_template tokens (what training used), whitespace-trimming included."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    rows = [{"messages": [{"role": "user", "content": "Repeat after me: red cat apple"}], "answer": "x"},
+            {"messages": [{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": "  padded\nquestion  "}], "answer": "y"}]
+    prompts = []
+    real = llm.create_completion
+
+    def spy(prompt, *a, **k):
+        prompts.append(list(prompt))
+        return real(prompt, *a, **k)
+
+    llm.create_completion = spy
+    try:
+        answers, reasons = gguf_answers(llm, rows, max_new_tokens=4)
+    finally:
+        del llm.create_completion
+    assert len(prompts) == len(rows) and len(answers) == len(rows)
+    for row, got in zip(rows, prompts):
+        want = list(tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"])
+        assert got == want, (tok.decode(got), tok.decode(want))
+    assert all(r in ("stop", "length") for r in reasons)
+
+
+@pytest.mark.integration
+def test_speed_reports_positive_rates(llm):
+    res = speed(llm, n_prompt=32, n_decode=8)
+    print(f"\ntiny Q8_0 on this machine: {res}")
+    assert res["prompt_tokens_per_s"] > 0 and res["decode_tokens_per_s"] > 0

@@ -1,0 +1,64 @@
+"""Recipe schema: validation, coercion, overrides, and every shipped recipe loads."""
+
+from pathlib import Path
+
+import pytest
+
+from zerotune.config import RECIPES_DIR, RecipeError, apply_overrides, from_dict, load_recipe
+
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_loads(name):
+    r = load_recipe(name)
+    assert r.name == name
+    assert r.data.sources, "a recipe without data cannot run"
+
+
+def test_yaml_scientific_notation_is_coerced(tmp_path):
+    # PyYAML reads 2e-5 (no dot) as the string '2e-5'
+    r = from_dict({"name": "x", "model": {"init_config": "c.json"}, "train": {"lr": "2e-5", "epochs": "3"}})
+    assert r.train.lr == 2e-5 and isinstance(r.train.lr, float)
+    assert r.train.epochs == 3.0
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(RecipeError, match=r"unknown key 'lrr'.*Did you mean 'lr'"):
+        from_dict({"name": "x", "model": {"init_config": "c.json"}, "train": {"lrr": 1e-4}})
+
+
+def test_unknown_section_and_bad_values():
+    with pytest.raises(RecipeError, match="unknown top-level key 'trian'.*'train'"):
+        from_dict({"name": "x", "model": {"init_config": "c"}, "trian": {}})
+    with pytest.raises(RecipeError, match=r"train.micro_batch_size: expected int, got 'two'"):
+        from_dict({"name": "x", "model": {"init_config": "c"}, "train": {"micro_batch_size": "two"}})
+    with pytest.raises(RecipeError, match=r"train.precision: 'fp8' is not one of"):
+        from_dict({"name": "x", "model": {"init_config": "c"}, "train": {"precision": "fp8"}})
+    with pytest.raises(RecipeError, match="model needs name_or_path"):
+        from_dict({"name": "x"})
+
+
+def test_overrides_from_the_command_line():
+    r = load_recipe("tiny", ["train.lr=1e-4", "data.seq_len=128", "train.liger=off"])
+    assert r.train.lr == 1e-4 and r.data.seq_len == 128 and r.train.liger == "off"
+    with pytest.raises(RecipeError, match="expected section.key=value"):
+        load_recipe("tiny", ["train.lr"])
+    with pytest.raises(RecipeError, match="unknown key 'sequence_len'.*'seq_len'"):
+        load_recipe("tiny", ["data.sequence_len=128"])
+    with pytest.raises(RecipeError, match="unknown section 'tran'"):
+        apply_overrides({}, ["tran.lr=1"])
+
+
+def test_missing_recipe_suggests_a_name():
+    with pytest.raises(RecipeError, match="recipe 'tinny' not found.*'tiny'"):
+        load_recipe("tinny")
+
+
+def test_cli_refuses_unknown_flags_and_bad_overrides(capsys):
+    from zerotune.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["prepare", "tiny", "--no-such-flag"])
+    assert main(["prepare", "tiny", "data.seq_lenn=3"]) == 2
+    assert "Did you mean 'seq_len'" in capsys.readouterr().err

@@ -1,0 +1,88 @@
+"""The planner: DeepSpeed-consistent model states, a breakdown that sums, exact batches, every recipe."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerotune.config import RECIPES_DIR, load_recipe
+from zerotune.plan import PlanError, compute_plan, dry_run, preflight
+
+MODEL_STATES = "model states (DeepSpeed estimator)"
+
+
+@pytest.fixture(scope="module")
+def plan8b():
+    return compute_plan(load_recipe("llama8b_zero3"))
+
+
+def test_8b_model_states_equal_deepspeed_estimator(plan8b):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    assert plan8b["model"]["n_params"] == 8_030_261_248
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(8_030_261_248, plan8b["model"]["largest_layer_params"], 8, 1,
+                                                      cpu_offload=False, cpu_offload_params=False, zero_init=True)
+    assert plan8b["memory"]["parts"][MODEL_STATES] == gpu == 20_169_434_112  # NOTES' figure
+
+
+def test_breakdown_sums_to_peak(plan8b):
+    assert sum(plan8b["memory"]["parts"].values()) == plan8b["memory"]["peak_bytes"]
+
+
+def test_8b_recommendation(plan8b):
+    rec = plan8b["recommended"]
+    assert rec["seq_len"] * rec["micro_batch_size"] * plan8b["cluster"]["world_size"] * rec["grad_accum"] == 62_914_560
+    assert (rec["seq_len"], rec["micro_batch_size"], rec["grad_accum"]) == (16384, 1, 480)  # the recipe's own
+    assert plan8b["choice"] == {**plan8b["choice"], "precision": "fp16", "attention": "sdpa", "liger": True}
+    # 32K at micro-batch 1 does not fit 32 GB without offload (NOTES)
+    assert not next(o for o in plan8b["options"] if o["seq_len"] == 32768 and o["micro_batch_size"] == 1)["fits"]
+    assert 1 < plan8b["time"]["seconds_per_step"] / 3600 < 6
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
+def test_every_recipe_plans(name):
+    p = compute_plan(load_recipe(name))
+    assert p["memory"]["peak_bytes"] == sum(p["memory"]["parts"].values())
+    assert p["options"]
+
+
+def test_offload_moves_optimizer_off_gpu():
+    p = compute_plan(load_recipe("llama8b_zero3_offload"))
+    assert p["memory"]["parts"][MODEL_STATES] < 8 * 2**30 and p["memory"]["cpu_bytes_per_node"] > 100e9
+    assert "fp32 grad sub-group" not in p["memory"]["parts"]
+
+
+def test_dry_run_text():
+    text = dry_run(load_recipe("llama8b_zero3"))
+    for needle in ["world size     8", "fp16", "sdpa", "Liger kernels  on", "16,384", "480", "62,914,560", "GiB"]:
+        assert needle in text, needle
+
+
+def test_preflight_raises_when_impossible():
+    r = load_recipe("llama8b_zero3", ["data.seq_len=131072", "train.micro_batch_size=8",
+                                      "train.global_batch_tokens=67108864"])
+    with pytest.raises(PlanError, match="exceeds"):
+        preflight(r)
+    with pytest.raises(PlanError, match="not a multiple"):  # 62,914,560 / (131072 x 8 x 8) is not whole
+        preflight(load_recipe("llama8b_zero3", ["data.seq_len=131072", "train.micro_batch_size=8"]))
+    assert preflight(load_recipe("llama8b_zero3"))["recipe_config"]["fits"]
+    assert "skipped" in preflight(load_recipe("tiny"))
+
+
+def test_nothing_fits_suggests_switches():
+    p = compute_plan(load_recipe("llama8b_zero3", ["train.liger=off", "data.seq_len=32768"]), gpus_per_node=2)
+    assert p["recommended"] is None and p["suggestions"]
+
+
+def test_inference_sizes(plan8b):
+    q8 = plan8b["inference"]["quant"]["q8_0"]
+    assert abs(q8["gguf_bytes"] / 2**30 - 7.95) < 0.02 and q8["t4_fits"]
+    assert plan8b["inference"]["kv_bytes_per_token"] == 128 * 1024
+    assert not plan8b["inference"]["quant"]["f16"]["t4_fits"]
+
+
+def test_plan_main_writes_png(tmp_path):
+    from zerotune.plan import plan_main
+
+    r = load_recipe("tiny", [f"output_dir={tmp_path}"])
+    assert plan_main(r, as_json=True) == 0
+    assert (tmp_path / "plan" / "memory.png").stat().st_size > 1000
