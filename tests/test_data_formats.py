@@ -152,3 +152,18 @@ def test_tokenizer_without_chat_template(tokenizer):
     with pytest.raises(TemplateError, match="no chat template.*format: text"):
         require_chat_template(tok, "my/tokenizer")
     require_chat_template(tokenizer, "ok")  # no error
+
+
+def test_template_that_rejects_a_conversation_is_a_bad_sample(tokenizer):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                         "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    render = ChatRenderer(tok)
+    ok = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    ids, labels = encode_chat(tok, ok, "all_assistant", "t", render=render)
+    # "assistant: b" tokenizes as ..."assistant", ":", " b": the token straddling the prompt/reply boundary is a label
+    assert tok.decode([x for x in labels if x != IGNORE]) == " b\n"
+    with pytest.raises(BadSample, match=r"^f line 2: the chat template rejected.*must alternate.*Fix: "):
+        encode_chat(tok, [{"role": "assistant", "content": "b"}], "all_assistant", "f line 2", render=render)

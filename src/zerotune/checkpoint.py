@@ -61,3 +61,43 @@ class CommitCheckpoints(TrainerCallback):
         if dist.is_initialized():
             dist.barrier()
         return control
+
+
+STOPPED_FILE = "stopped.json"
+REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped on a signal with a committed checkpoint; run again to resume
+
+
+class StopOnSignal(TrainerCallback):
+    """SIGUSR1 (SLURM's time-limit warning, forwarded by slurm/finetune.sbatch) or SIGTERM: checkpoint at the
+    next optimizer-step boundary and stop. The flag is reduced across ranks every step so all ranks stop at
+    the same step; a rank entering the ZeRO-3 save alone would hang the others."""
+
+    def __init__(self):
+        import signal
+
+        self.requested: str | None = None
+        self.stopped_at: int | None = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        import signal
+
+        self.requested = signal.Signals(signum).name
+
+    def on_step_end(self, args, state, control, **kw):
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor(1.0 if self.requested else 0.0)
+        if dist.is_initialized():
+            flag = flag.to(args.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            control.should_save = True
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+            if state.is_world_process_zero:
+                print(f"train: {self.requested or 'a signal on another rank'} received: checkpointing at step "
+                      f"{state.global_step} and stopping", flush=True)
+        return control

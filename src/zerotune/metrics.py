@@ -132,6 +132,7 @@ def plot_curves(jsonl: Path, png: Path) -> None:
     a.plot(steps, [r.get("loss") for r in rows], color="#4477aa")
     a.set_xlabel("optimizer step")
     a.set_ylabel("training loss")
+    a.set_yscale("log")  # the interesting part of a fine-tuning curve is the tail
     a.set_title("Loss")
     b.plot(steps, [r.get("tokens_per_s") or 0 for r in rows], color="#228833")
     b.set_xlabel("optimizer step")

@@ -14,14 +14,17 @@ when the server shuts down (llama-cpp-python's `__del__` at exit raises).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from pathlib import Path
-
-import contextlib
 
 from .config import Recipe
 from .gguf_checks import CHAT_FORMAT, chat_template_of, guard_llama_runtime
 from .quantize import gguf_path
+
+
+REQUIRED_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
 
 class ServeError(RuntimeError):
@@ -73,6 +76,35 @@ def build_app(r: Recipe, gguf: Path | None = None):
             close_model()
 
     app.router.lifespan_context = lifespan
+
+    async def invalid_json(_request, exc: json.JSONDecodeError):
+        # llama-cpp-python's route error handler re-reads the body as JSON and lets this escape as a 500.
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse(status_code=400, content={"error": {
+            "message": f"request body is not valid JSON: {exc}", "type": "invalid_request_error", "code": None}})
+
+    app.add_exception_handler(json.JSONDecodeError, invalid_json)
+
+    @app.middleware("http")
+    async def require_fields(request, call_next):
+        # llama-cpp-python defaults `messages` to [] and `prompt` to "": a request missing them would be
+        # answered from an empty prompt. OpenAI requires both.
+        need = REQUIRED_FIELDS.get(request.url.path) if request.method == "POST" else None
+        if need:
+            try:
+                body = json.loads(await request.body() or b"null")
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                body = None  # the JSON handler above answers it
+            else:
+                if not isinstance(body, dict) or body.get(need) in (None, [], ""):
+                    from fastapi.responses import JSONResponse
+
+                    return JSONResponse(status_code=400, content={"error": {
+                        "message": f"'{need}' is required and must not be empty", "type": "invalid_request_error",
+                        "param": need, "code": None}})
+        return await call_next(request)
+
     return app, server
 
 

@@ -137,6 +137,11 @@ def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "zerotune", *argv]
     print(f"train: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: {' '.join(cmd[2:])}", flush=True)
     rc = subprocess.call(cmd, env=env)
+    stopped = mf.read(r.out / "train" / "stopped.json")
+    if rc != 0 and stopped:
+        print(f"train: stopped on {stopped['signal']} at step {stopped['step']} with committed checkpoint "
+              f"{stopped['checkpoint']}; run the same command again to resume.", flush=True)
+        return 75
     if rc != 0:
         print(f"train: the distributed job failed (exit {rc}); {final_model_dir(r)} and committed checkpoints "
               "are untouched.", file=sys.stderr, flush=True)
@@ -225,7 +230,7 @@ def worker(r: Recipe) -> None:
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM, Trainer
 
-    from .checkpoint import CommitCheckpoints, last_committed
+    from .checkpoint import REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopOnSignal, last_committed
     from .metrics import StepMetrics, flops_per_token, plot_curves
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -269,18 +274,28 @@ def worker(r: Recipe) -> None:
                           flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
                           gpu.peak_tflops, world)
     collate = _collate_packed if r.data.packing else _make_collate_padded(data_manifest["pad_token_id"])
+    stop = StopOnSignal()
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collate,
-                      callbacks=[metrics, CommitCheckpoints()])
+                      callbacks=[metrics, stop, CommitCheckpoints()])
     metrics.trainer = trainer
     if rank == 0:
         (r.out / "train").mkdir(parents=True, exist_ok=True)
-        (r.out / "train" / "metrics.jsonl").unlink(missing_ok=True)
+        (r.out / "train" / STOPPED_FILE).unlink(missing_ok=True)
     resume = last_committed(checkpoints_dir(r))
+    if rank == 0 and resume is None:
+        (r.out / "train" / "metrics.jsonl").unlink(missing_ok=True)
     if resume and rank == 0:
         print(f"train: resuming from committed checkpoint {resume}", flush=True)
     t0 = time.time()
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     elapsed = time.time() - t0
+    if stop.stopped_at is not None:
+        if rank == 0:
+            mf.write(r.out / "train" / STOPPED_FILE, {"step": stop.stopped_at, "signal": stop.requested,
+                                                      "checkpoint": str(last_committed(checkpoints_dir(r)))})
+        if dist.is_initialized():
+            dist.barrier()
+        sys.exit(REQUEUE_EXIT)
 
     probe = {k: v[:1].to(args.device) for k, v in collate([train_ds[0]]).items() if k != "labels"}
     with torch.no_grad():

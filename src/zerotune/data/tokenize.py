@@ -4,7 +4,8 @@ The tokenizer's own chat template renders the conversation. Labels are found
 from character spans: the text rendered for messages[:i] plus the generation
 prompt is where assistant turn i starts, the text for messages[:i+1] is where it
 ends (its end-of-turn token included). One tokenization with offsets then maps
-spans to tokens: a token is a label when its characters lie inside a span. This
+spans to tokens: a token is a label when it ends inside a span (so a token that
+merges the prompt's trailing space with the reply's first word is a label). This
 works for any template with the prefix property, which is checked per sample
 rather than assumed. The ids are exactly those of
 `tok.apply_chat_template(messages, tokenize=True)` (tests check it).
@@ -54,22 +55,33 @@ class ChatRenderer:
         return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
 
     def __call__(self, msgs: list[dict], gen: bool) -> str:
-        if self._fast is None:
-            return self._slow(msgs, gen)
-        try:
-            text = self._fast.render(messages=msgs, add_generation_prompt=gen, **self._kw)
-        except Exception:  # noqa: BLE001
-            self._fast = None
-            return self._slow(msgs, gen)
-        if not self._checked:
-            self._checked = True
-            if text != self._slow(msgs, gen):
-                self._fast = None
-                return self._slow(msgs, gen)
-        return text
+        if self._fast is not None:
+            try:
+                text = self._fast.render(messages=msgs, add_generation_prompt=gen, **self._kw)
+            except Exception:  # noqa: BLE001 - e.g. the template's raise_exception(); the slow path reports it
+                text = None
+            if text is not None:
+                if self._checked:
+                    return text
+                self._checked = True
+                if text == self._slow(msgs, gen):
+                    return text
+                self._fast = None  # differs from apply_chat_template: always use the original from now on
+        return self._slow(msgs, gen)
 
 
 def assistant_spans(render, msgs: list[dict], loss_on: str, where: str) -> tuple[str, list[tuple[int, int]]]:
+    try:
+        return _assistant_spans(render, msgs, loss_on, where)
+    except BadSample:
+        raise
+    except Exception as e:  # noqa: BLE001 - jinja2 TemplateError from raise_exception() and friends
+        raise BadSample(where, f"the chat template rejected this conversation ({type(e).__name__}: {e}).",
+                        "make the conversation fit the template (e.g. alternating user/assistant turns) "
+                        "or use a tokenizer whose template accepts it.") from None
+
+
+def _assistant_spans(render, msgs: list[dict], loss_on: str, where: str) -> tuple[str, list[tuple[int, int]]]:
     full = render(msgs, False)
     spans = []
     idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -92,7 +104,9 @@ def labels_from_offsets(ids, offsets, spans) -> np.ndarray:
     s, e = off[:, 0], off[:, 1]
     mask = np.zeros(len(ids), dtype=bool)
     for a, b in spans:
-        mask |= (s >= a) & (e <= b) & (e > s)
+        # A token that straddles the start (e.g. " b" after a prompt ending in "ASSISTANT: ") carries the
+        # first reply characters: it is a label, else the reply's first token would never be learned.
+        mask |= (e > a) & (e <= b) & (e > s)
     return np.where(mask, ids, IGNORE).astype(np.int32)
 
 
