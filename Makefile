@@ -44,5 +44,10 @@ test: setup  ## all tests, integration included (what CI runs)
 test-fast: setup  ## unit tests only (seconds)
 	$(PY) -m pytest -q -m "not integration" tests
 
+bench: setup  ## measured comparisons on this machine -> bench/results/*.md
+	$(PY) bench/bench_data.py
+	$(PY) bench/bench_inference.py
+	$(PY) -m pytest -q tests/test_activation_memory.py
+
 clean:  ## remove run outputs (keeps .venv and assets)
 	rm -rf runs bench/work

@@ -23,8 +23,9 @@ def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(tmp_path):
         zt("prepare", "tiny", f"output_dir={out}")
     zt("train", "tiny", f"output_dir={ref}", *common)
 
+    logfile = open(tmp_path / "interrupted.log", "w+")  # a file, not a pipe: a full pipe would block the workers
     proc = subprocess.Popen([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *common],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=REPO, stdout=logfile, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 600
     mfile = run / "train" / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:
@@ -33,8 +34,10 @@ def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(tmp_path):
         time.sleep(0.5)
     # What slurm/finetune.sbatch's trap does: USR1 to the workers (torchrun's children), not to torchrun.
     subprocess.run(["pkill", "-USR1", "-f", f"python[^ ]* -u -m zerotune train tiny output_dir={run}"], check=True)
-    log, _ = proc.communicate(timeout=600)
+    proc.wait(timeout=600)
+    log = (tmp_path / "interrupted.log").read_text()
     assert proc.returncode == 75, log[-3000:]
+    assert "SIGUSR1 received: checkpointing at step" in log
     stopped = json.loads((run / "train" / "stopped.json").read_text())
     assert 3 <= stopped["step"] < STEPS and stopped["signal"] == "SIGUSR1"
     assert (Path(stopped["checkpoint"]) / "zerotune_commit.json").exists()

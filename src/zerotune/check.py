@@ -20,7 +20,7 @@ import numpy as np
 
 from . import manifest as mf
 from .config import Recipe, resolve_path
-from .gguf_checks import CHAT_FORMAT, guard_llama_runtime
+from .gguf_checks import CHAT_FORMAT
 from .quantize import gguf_path
 
 # Gates per GGUF type: (max mean KL nats/token, min top-1 agreement). Q8_0 must be nearly lossless.
@@ -72,7 +72,6 @@ def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True):
     """The GGUF as check uses it: every position's logits, the embedded chat template (as serve uses it)."""
     import llama_cpp
 
-    guard_llama_runtime()
     return llama_cpp.Llama(str(gguf), n_ctx=n_ctx, logits_all=logits_all, seed=0, chat_format=CHAT_FORMAT,
                            verbose=False)
 

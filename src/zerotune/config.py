@@ -57,7 +57,7 @@ class DataCfg:
     sources: list = _f([], "List of sources (see SourceCfg)")
     heldout: Optional[str] = _f(None, "JSONL of held-out chat prompts with reference answers, used by check")
     seq_len: int = _f(2048, "Tokens per packed sequence (or max length unpacked)")
-    packing: bool = _f(True, "Pack documents into seq_len bins (best-fit decreasing); False = length-grouped padding")
+    packing: bool = _f(True, "Pack documents into seq_len bins (best-fit decreasing); False = one row per document, length-grouped batches padded per batch")
     loss_on: Literal["all_assistant", "last_assistant"] = _f("all_assistant", "Which assistant turns carry loss")
     overlong: Literal["truncate", "drop"] = _f("truncate", "What to do with samples longer than seq_len")
     on_bad_sample: Literal["error", "skip"] = _f("error", "Stop at a malformed row, or skip it and count it in the manifest")

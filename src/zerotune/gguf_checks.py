@@ -282,7 +282,6 @@ def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     has_template = bool(read_header(gguf).get("tokenizer.chat_template"))
-    guard_llama_runtime()
     llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False, chat_format=CHAT_FORMAT if has_template else None)
     try:
         mismatches = []
@@ -421,50 +420,3 @@ def chat_template_of(path: Path) -> str | None:
 
 
 # --- llama.cpp runtime guard ---------------------------------------------------------------------
-
-def _amx_unusable() -> bool:
-    """True when the CPU advertises AMX but the kernel/VM does not enable its tile state (XTILEDATA).
-
-    A llama.cpp built with GGML_NATIVE on such a host (Firecracker VMs here) compiles the AMX kernels,
-    `ggml_amx_init` still succeeds, and the first matrix multiply dies with SIGILL (`tilezero`)."""
-    import ctypes
-    import platform
-
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return False
-    try:
-        if "amx_tile" not in Path("/proc/cpuinfo").read_text():
-            return False
-        libc = ctypes.CDLL(None, use_errno=True)
-        mask = ctypes.c_uint64(0)
-        if libc.syscall(158, 0x1022, ctypes.byref(mask)) != 0:  # arch_prctl(ARCH_GET_XCOMP_SUPP)
-            return True
-        return not mask.value & (1 << 18)  # XFEATURE_XTILEDATA
-    except OSError:
-        return False
-
-
-_GUARDED = False
-
-
-def guard_llama_runtime() -> None:
-    """Call before creating any llama_cpp.Llama: where AMX is advertised but unusable, load models without
-    llama.cpp's extra buffer types (AMX and weight repacking), so plain AVX-512/AVX2 kernels run."""
-    global _GUARDED
-    if _GUARDED:
-        return
-    _GUARDED = True
-    if not _amx_unusable():
-        return
-    import llama_cpp.llama_cpp as lc
-
-    default = lc.llama_model_default_params
-
-    def without_extra_bufts():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    lc.llama_model_default_params = without_extra_bufts
-    print("zerotune: this CPU advertises AMX but the OS does not enable it; llama.cpp runs without AMX "
-          "(rebuild llama-cpp-python without AMX to silence this)", flush=True)

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from .config import Recipe
-from .gguf_checks import CHAT_FORMAT, chat_template_of, guard_llama_runtime
+from .gguf_checks import CHAT_FORMAT, chat_template_of
 from .quantize import gguf_path
 
 
@@ -64,7 +64,6 @@ def build_app(r: Recipe, gguf: Path | None = None):
     server = ServerSettings(host=r.serve.host, port=r.serve.port, interrupt_requests=False, api_key=api_key)
     model = ModelSettings(model=str(gguf), model_alias=r.name, n_ctx=r.serve.n_ctx, chat_format=CHAT_FORMAT,
                           n_gpu_layers=r.serve.n_gpu_layers, verbose=False)
-    guard_llama_runtime()
     close_model()  # llama-cpp-python keeps one server model per process: close an earlier app's
     app = create_app(server_settings=server, model_settings=[model])
 

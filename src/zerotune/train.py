@@ -201,6 +201,8 @@ def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choic
         seed=r.train.seed,
         data_seed=r.train.seed,
         remove_unused_columns=False,
+        # unpacked: batch documents of similar length so padding stays small (packed rows are all seq_len)
+        train_sampling_strategy="random" if r.data.packing else "group_by_length",
         dataloader_num_workers=0,
         disable_tqdm=True,
         average_tokens_across_devices=True,
