@@ -45,7 +45,7 @@ else
 fi
 
 echo "setup: pinned packages (requirements.lock)"
-grep -v -E '^(torch|llama.cpp.python)==' requirements.lock > "$CACHE/lock-no-torch.txt"
+grep -v -E '^(torch|llama[_-]cpp[_-]python)( |==|@)' requirements.lock > "$CACHE/lock-no-torch.txt"
 $PIP install -q -r "$CACHE/lock-no-torch.txt"
 
 echo "setup: llama-cpp-python $LLAMA_CPP_VERSION (sdist, sha256-checked)"

@@ -21,4 +21,4 @@ def test_make_demo(tmp_path):
     assert abs(summary["hf_accuracy"] - summary["gguf_accuracy"]) <= 0.02
     assert summary["passed"] is True
     check = json.loads((tmp_path / "check" / "check.json").read_text())
-    assert check["agreement"]["mean_kl"] <= 0.01 and check["agreement"]["top1_agreement"] >= 0.98
+    assert check["agreement"]["mean_kl"] <= 0.01 and check["agreement"]["top1_gated"] >= 0.98
