@@ -68,12 +68,12 @@ def hf_answers(model_dir: Path, rows: list[dict], max_new_tokens: int) -> list[s
     return out
 
 
-def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True):
+def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True, n_gpu_layers: int = 0):
     """The GGUF as check uses it: every position's logits, the embedded chat template (as serve uses it)."""
     import llama_cpp
 
     return llama_cpp.Llama(str(gguf), n_ctx=n_ctx, logits_all=logits_all, seed=0, chat_format=CHAT_FORMAT,
-                           verbose=False)
+                           n_gpu_layers=n_gpu_layers, verbose=False)
 
 
 def gguf_answers(llm, rows: list[dict], max_new_tokens: int) -> tuple[list[str], list[str]]:
@@ -206,7 +206,7 @@ def check(r: Recipe) -> int:
     print(f"check: {len(rows)} held-out prompts, greedy, max {r.check.max_new_tokens} new tokens", flush=True)
     base_ans = hf_answers(base_model_for_check(r), rows, r.check.max_new_tokens)
     hf_ans = hf_answers(model_dir, rows, r.check.max_new_tokens)
-    llm = load_gguf(gguf, n_ctx=min(r.check.n_ctx, 4096))
+    llm = load_gguf(gguf, n_ctx=min(r.check.n_ctx, 4096), n_gpu_layers=r.check.n_gpu_layers)
     try:
         gg_ans, finish = gguf_answers(llm, rows, r.check.max_new_tokens)
         agreement = logit_agreement(llm, model_dir, heldout_documents(r, r.check.n_kl_texts))

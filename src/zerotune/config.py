@@ -105,6 +105,7 @@ class CheckCfg:
     min_top1: Optional[float] = _f(None, "Min top-1 agreement; null = default for the quant type")
     n_ctx: int = _f(8192, "Context length for the T4 fit report")
     n_kl_texts: int = _f(16, "Held-out documents used for KL / top-1 / perplexity")
+    n_gpu_layers: int = _f(0, "Layers llama.cpp offloads to the GPU during check (-1 = all, e.g. on a T4)")
 
 
 @dataclass

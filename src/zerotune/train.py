@@ -236,6 +236,10 @@ def worker(r: Recipe) -> None:
     from .metrics import StepMetrics, flops_per_token, plot_curves
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if r.train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")  # log locally; `wandb sync` later. Keys never printed.
+        if rank == 0:
+            print("train: WANDB_API_KEY not set: wandb logs offline to ./wandb", flush=True)
     gpu = hardware.detect()
     choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger)
     data_manifest = require_prepared(r)
