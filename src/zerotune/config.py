@@ -93,6 +93,19 @@ class TrainCfg:
 
 
 @dataclass
+class PeftCfg:
+    method: Literal["none", "lora", "qlora"] = _f("none", "none = full fine-tuning; lora = low-rank adapters on a 16-bit base (works with ZeRO-3); qlora = adapters on a 4-bit NF4 base (bitsandbytes, no DeepSpeed)")
+    r: int = _f(16, "LoRA rank")
+    alpha: float = _f(32.0, "LoRA alpha (the update is scaled by alpha / r)")
+    dropout: float = _f(0.05, "LoRA dropout")
+    target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                              "Module names that get adapters ('all-linear' as the single entry = every linear layer but lm_head)")
+    modules_to_save: list = _f([], "Modules trained in full beside the adapters and saved with them, e.g. [embed_tokens, lm_head]")
+    optim: str = _f("auto", "Trainer optimizer when peft is on: auto = adamw_torch; e.g. paged_adamw_8bit for QLoRA on a GPU (bitsandbytes)")
+    merge_atol: float = _f(1e-3, "Max |logit diff| allowed between the merged model and base + adapter when publishing (fp32 merge)")
+
+
+@dataclass
 class QuantizeCfg:
     type: str = _f("q8_0", "GGUF type: q8_0, f16, bf16 (converter) or q4_k_m, q5_k_m, q6_k ... (quantizer)")
 
@@ -133,6 +146,7 @@ class Recipe:
     model: ModelCfg = _f(None, "Model", )
     data: DataCfg = _f(None, "Data preparation")
     train: TrainCfg = _f(None, "Training")
+    peft: PeftCfg = _f(None, "Parameter-efficient fine-tuning (LoRA / QLoRA); merged into runs/<name>/model after training")
     quantize: QuantizeCfg = _f(None, "GGUF export")
     check: CheckCfg = _f(None, "Inference check")
     serve: ServeCfg = _f(None, "Server")
@@ -148,7 +162,7 @@ class Recipe:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
-_SECTION_CLASSES = {"model": ModelCfg, "data": DataCfg, "train": TrainCfg, "quantize": QuantizeCfg,
+_SECTION_CLASSES = {"model": ModelCfg, "data": DataCfg, "train": TrainCfg, "peft": PeftCfg, "quantize": QuantizeCfg,
                     "check": CheckCfg, "serve": ServeCfg, "plan": PlanCfg}
 
 
@@ -283,6 +297,16 @@ def _validate(r: Recipe, where: str) -> None:
         raise RecipeError(f"{where}: data.seq_len, train.micro_batch_size and train.global_batch_tokens must be positive.")
     if not 0 <= r.data.eval_fraction < 1:
         raise RecipeError(f"{where}: data.eval_fraction must be in [0, 1).")
+    if r.peft.method != "none":
+        if r.peft.r <= 0 or r.peft.alpha <= 0 or not 0 <= r.peft.dropout < 1:
+            raise RecipeError(f"{where}: peft.r and peft.alpha must be positive and peft.dropout in [0, 1).")
+        if not r.peft.target_modules or not all(isinstance(m, str) for m in r.peft.target_modules):
+            raise RecipeError(f"{where}: peft.target_modules must be a non-empty list of module names.")
+        if not all(isinstance(m, str) for m in r.peft.modules_to_save):
+            raise RecipeError(f"{where}: peft.modules_to_save must be a list of module names.")
+    if r.peft.method == "qlora" and r.train.deepspeed:
+        raise RecipeError(f"{where}: peft.method=qlora trains a 4-bit bitsandbytes base, which DeepSpeed ZeRO cannot "
+                          f"shard; set train.deepspeed: null (use peft.method=lora for ZeRO-3).")
 
 
 def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe:

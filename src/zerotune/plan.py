@@ -50,7 +50,15 @@ def _memory(r, shape, choice, zero, seq, micro, gpus_per_node, nodes, g):
     return memory_breakdown(shape, seq=seq, micro=micro, precision=choice.precision, attention=choice.attention,
                             liger=choice.liger, checkpointing=r.train.gradient_checkpointing,
                             packing=r.data.packing, zero=zero, gpus_per_node=gpus_per_node, nodes=nodes,
-                            gpu_is_cuda=g.capability is not None)
+                            gpu_is_cuda=g.capability is not None, peft=_peft(r, shape))
+
+
+def _peft(r: Recipe, shape):
+    if r.peft.method == "none":
+        return None
+    from .planner.memory import peft_trainable_params
+
+    return r.peft.method, peft_trainable_params(shape, r.peft.r, r.peft.target_modules, r.peft.modules_to_save)
 
 
 def _step_time(r, shape, g, gpu_name, seq, world) -> dict:

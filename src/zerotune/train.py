@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from . import batch as batchmod
-from . import ds_config, hardware
+from . import ds_config, hardware, peft_utils
 from . import manifest as mf
 from .config import Recipe, resolve_path
 from .data.prepare import data_dir, load_tokenizer, require_prepared
@@ -64,11 +64,16 @@ def finalize(r: Recipe) -> dict:
 
     tmp, out = staging_dir(r), final_model_dir(r)
     ref = torch.load(tmp / PROBE_FILE)
-    report = verify_saved_model(tmp, ref["n_params"], ref["probe"], ref["logits"], ref["precision"])
-    (tmp / PROBE_FILE).unlink()
-    (tmp / "training_args.bin").unlink(missing_ok=True)  # pickled args: not needed to load the model
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    if peft_utils.enabled(r):
+        # adapter-only save: verify the adapter, merge it into the 16-bit base, publish adapter/ and model/
+        report = peft_utils.finalize_peft(r, tmp, out, ref, base_model_dir(r),
+                                          lambda p: load_tokenizer(r).save_pretrained(p))
+    else:
+        report = verify_saved_model(tmp, ref["n_params"], ref["probe"], ref["logits"], ref["precision"])
+        (tmp / PROBE_FILE).unlink()
+        (tmp / "training_args.bin").unlink(missing_ok=True)  # pickled args: not needed to load the model
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
     run = mf.read(r.out / "train" / "run.json") or {}
     hist = [json.loads(x) for x in (r.out / "train" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     losses = [h["loss"] for h in hist if "loss" in h]
@@ -247,6 +252,8 @@ def worker(r: Recipe) -> None:
     train_ds = load_from_disk(str(data_dir(r) / "train"))
     steps = total_steps(len(train_ds), bp, r)
     args = training_arguments(r, bp, choice, gpu.capability is not None, steps)  # before the model: ZeRO-3 zero.Init
+    if peft_utils.enabled(r):
+        peft_utils.set_optim(args, r)
     if args.deepspeed:
         # zero.Init (inside from_pretrained) reads the world size from deepspeed.comm, which the Trainer
         # does not set up under use_cpu=True: without this it sees world 1 and rejects the batch config.
@@ -268,12 +275,19 @@ def worker(r: Recipe) -> None:
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
                                     cross_entropy=False)
     src = base_model_dir(r)
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=_torch_dtype(choice.precision),
-                                                 attn_implementation=choice.attention)
+    load_kw = {"dtype": _torch_dtype(choice.precision), **peft_utils.load_kwargs(r, gpu.capability is not None)}
+    model = AutoModelForCausalLM.from_pretrained(str(src), attn_implementation=choice.attention, **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
 
     cfg = model.config
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())  # ZeRO-3 shards
+    n_trainable = None
+    if peft_utils.enabled(r):
+        model, n_trainable, n_all = peft_utils.wrap(model, r)
+        if rank == 0:
+            print(f"train: peft {r.peft.method} r={r.peft.r} alpha={r.peft.alpha} on {r.peft.target_modules}"
+                  f"{' + full ' + str(r.peft.modules_to_save) if r.peft.modules_to_save else ''}: "
+                  f"{n_trainable:,} trainable of {n_all:,} parameters ({100 * n_trainable / n_all:.3f}%)", flush=True)
     tokens_per_step = bp.global_batch_tokens
     label_fraction = data_manifest["tokens"]["train_label"] / max(1, data_manifest["tokens"]["train_total"])
     metrics = StepMetrics(r.out / "train" / "metrics.jsonl", tokens_per_step, label_fraction,
@@ -313,10 +327,11 @@ def worker(r: Recipe) -> None:
     if dist.is_initialized():
         dist.barrier()
     trainer.save_model(str(tmp))  # ZeRO-3: gathers the 16-bit weights into one consolidated file on rank 0
+    # (peft: save_model writes only the adapter; finalize merges it into the 16-bit base)
     if rank == 0:
         load_tokenizer(r).save_pretrained(tmp)
         torch.save({"probe": {k: v.cpu() for k, v in probe.items()}, "logits": ref_logits, "n_params": n_params,
-                    "precision": choice.precision}, tmp / PROBE_FILE)
+                    "precision": choice.precision, "trainable_params": n_trainable}, tmp / PROBE_FILE)
         mf.write(r.out / "train" / "run.json", {
             "world_size": world, "device": gpu.name, "data_fingerprint": data_manifest["fingerprint"],
             "choice": {"precision": choice.precision, "attention": choice.attention, "liger": choice.liger},

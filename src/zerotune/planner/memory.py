@@ -219,6 +219,42 @@ def model_states_bytes(m: ModelShape, zero: dict | None, gpus_per_node: int, nod
     return 16 * m.n_params, 0, "ZeRO stage 0: 16 B/param on every GPU"
 
 
+_LORA_DIMS = {  # (in, out) of each Llama linear, as functions of the shape
+    "q_proj": lambda m: (m.hidden, m.q_dim), "k_proj": lambda m: (m.hidden, m.kv_dim),
+    "v_proj": lambda m: (m.hidden, m.kv_dim), "o_proj": lambda m: (m.q_dim, m.hidden),
+    "gate_proj": lambda m: (m.hidden, m.intermediate), "up_proj": lambda m: (m.hidden, m.intermediate),
+    "down_proj": lambda m: (m.intermediate, m.hidden),
+}
+NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4-bit codes + double-quantized absmax (8-bit per 64, fp32 per 256 blocks)
+
+
+def peft_trainable_params(m: ModelShape, r: int, targets: list, modules_to_save: list) -> int:
+    """LoRA A and B (r x (in + out)) on every targeted linear of every layer, plus fully trained modules."""
+    names = list(_LORA_DIMS) if list(targets) == ["all-linear"] else [t for t in targets if t in _LORA_DIMS]
+    n = m.layers * sum(r * sum(_LORA_DIMS[t](m)) for t in names)
+    return n + sum(m.vocab * m.hidden for t in modules_to_save if t in ("embed_tokens", "lm_head"))
+
+
+def peft_model_states_bytes(m: ModelShape, method: str, trainable: int, zero: dict | None,
+                            gpus_per_node: int, nodes: int) -> tuple[int, int, str]:
+    """LoRA/QLoRA model states per GPU: frozen base 2 B/param (QLoRA: NF4 for the decoder linears), 16 B per
+    trainable parameter (16-bit weight + grad + fp32 master + Adam moments). ZeRO-3 shards both for LoRA;
+    QLoRA runs without DeepSpeed, so every GPU holds the whole 4-bit base."""
+    world = gpus_per_node * nodes
+    if method == "qlora":
+        linear = m.layers * sum(a * b for a, b in (f(m) for f in _LORA_DIMS.values()))
+        # prepare_model_for_kbit_training upcasts the non-quantized params (embeddings, norms, lm_head) to fp32
+        base = int(NF4_BYTES_PER_PARAM * linear + 4 * (m.n_params - linear))
+        return (base + 16 * trainable, 0,
+                f"QLoRA: NF4 decoder linears {linear:,} x {NF4_BYTES_PER_PARAM:.3f} B + other frozen params x 4 B (fp32) "
+                f"+ {trainable:,} trainable x 16 B; no ZeRO sharding")
+    if zero is not None and int(zero.get("stage", 0)) == 3:
+        b = math.ceil((2 * m.n_params + 16 * trainable) / world) + 4 * m.largest_layer_params
+        return b, 0, (f"LoRA + ZeRO-3: (frozen {m.n_params:,} x 2 B + {trainable:,} trainable x 16 B) / {world} GPUs "
+                      f"+ 4 B x largest layer (gathered)")
+    return 2 * m.n_params + 16 * trainable, 0, f"LoRA: frozen base x 2 B + {trainable:,} trainable x 16 B on every GPU"
+
+
 def deepspeed_buffers(m: ModelShape, zero: dict | None, world: int, dtype_bytes: int) -> dict:
     """What ZeRO-3 allocates beyond the estimator's model states (bytes per GPU)."""
     if zero is None or int(zero.get("stage", 0)) != 3:
@@ -243,11 +279,14 @@ def deepspeed_buffers(m: ModelShape, zero: dict | None, world: int, dtype_bytes:
 
 def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, attention: str, liger: bool,
                      checkpointing: bool, packing: bool, zero: dict | None, gpus_per_node: int, nodes: int,
-                     gpu_is_cuda: bool = True) -> dict:
+                     gpu_is_cuda: bool = True, peft: tuple[str, int] | None = None) -> dict:
     """Ordered {component: bytes} per GPU plus the peak (their sum) and notes."""
     e = 2 if precision in ("fp16", "bf16") else 4
     world = gpus_per_node * nodes
-    states, cpu_bytes, how = model_states_bytes(m, zero, gpus_per_node, nodes)
+    if peft is not None:  # (method, trainable params)
+        states, cpu_bytes, how = peft_model_states_bytes(m, peft[0], peft[1], zero, gpus_per_node, nodes)
+    else:
+        states, cpu_bytes, how = model_states_bytes(m, zero, gpus_per_node, nodes)
     act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger)
     parts = {"model states (DeepSpeed estimator)": states}
     parts.update(deepspeed_buffers(m, zero, world, e))

@@ -1,0 +1,162 @@
+"""LoRA and QLoRA through the same stages (issue 8).
+
+Training wraps the loaded model with peft adapters (QLoRA: a 4-bit NF4 bitsandbytes base, no
+DeepSpeed); rank 0 saves only the adapter. Publishing runs in a fresh process (`finalize`):
+
+1. adapter reload: the saved adapter on a freshly loaded base (4-bit for QLoRA, the same
+   quantization as in training) must reproduce the trained model's probe logits;
+2. merge: the adapter is applied to the base loaded in 16-bit (fp32 on CPU) and merged there,
+   never into a 4-bit base (peft #2321, transformers #31293); the merged model's logits must equal
+   base + adapter (unmerged, same 16-bit base) within `peft.merge_atol` (default 1e-3: an fp32
+   merge only reorders additions, measured max |diff| ~1e-6 on the tiny model);
+3. the merged model is saved to runs/<name>/model with the tokenizer and verified by reload
+   (`verify.verify_saved_model`), so quantize / check / serve run unchanged.
+
+For QLoRA the 4-bit-trained adapter on the 16-bit base differs from the trained 4-bit model by
+the NF4 quantization error of the base; that difference is reported (`qlora_16bit_vs_4bit_logit_diff`)
+but not gated.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from .config import Recipe
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+def enabled(r: Recipe) -> bool:
+    return r.peft.method != "none"
+
+
+def bnb_config(on_gpu: bool):
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.float16 if on_gpu else torch.float32)
+
+
+def load_kwargs(r: Recipe, on_gpu: bool) -> dict:
+    """Extra from_pretrained kwargs: QLoRA loads the base in 4-bit NF4 onto this rank's device."""
+    import os
+
+    import torch
+
+    if r.peft.method != "qlora":
+        return {}
+    kw = {"quantization_config": bnb_config(on_gpu), "dtype": torch.float16 if on_gpu else torch.float32}
+    if on_gpu:
+        kw["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
+    return kw
+
+
+def lora_config(r: Recipe):
+    from peft import LoraConfig
+
+    targets = r.peft.target_modules
+    return LoraConfig(r=r.peft.r, lora_alpha=r.peft.alpha, lora_dropout=r.peft.dropout, task_type="CAUSAL_LM",
+                      target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+                      modules_to_save=list(r.peft.modules_to_save) or None)
+
+
+def wrap(model, r: Recipe):
+    """Add adapters (after prepare_model_for_kbit_training for QLoRA); returns (model, trainable, total)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if r.peft.method == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=r.train.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, lora_config(r))
+    trainable, total = model.get_nb_trainable_parameters()  # counts 4-bit params at their logical size
+    return model, trainable, total
+
+
+def set_optim(args, r: Recipe) -> None:
+    if r.peft.optim != "auto":
+        from transformers.training_args import OptimizerNames
+
+        args.optim = OptimizerNames(r.peft.optim)
+
+
+def adapter_dir(r: Recipe) -> Path:
+    return r.out / "adapter"
+
+
+def _logits(model, probe):
+    import torch
+
+    model.eval()
+    dev = next(model.parameters()).device
+    with torch.no_grad():
+        # use_cache=False: packed position_ids give a block-causal mask only without a KV cache
+        return model(**{k: v.to(dev) for k, v in probe.items()}, use_cache=False).logits.float().cpu()
+
+
+def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokenizer_save) -> dict:
+    """Verify the saved adapter, merge it into the 16-bit base and publish adapter/ and model/."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from .verify import SaveVerificationError, verify_saved_model
+
+    for f in ADAPTER_FILES:
+        if not (tmp / f).exists():
+            raise SaveVerificationError(f"{tmp}: {f} was not written.")
+    probe, ref_logits = ref["probe"], ref["logits"]
+    on_gpu = torch.cuda.is_available()
+    report = {"method": r.peft.method, "trainable_params": ref.get("trainable_params")}
+
+    # 1. adapter reload on the base as trained (4-bit for QLoRA) == the trained model's logits
+    if r.peft.method == "qlora":
+        kw = {"quantization_config": bnb_config(on_gpu), "dtype": torch.float16 if on_gpu else torch.float32}
+        if on_gpu:
+            kw["device_map"] = {"": 0}
+        trained_base = AutoModelForCausalLM.from_pretrained(str(base), **kw)
+    else:
+        trained_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    reloaded = _logits(PeftModel.from_pretrained(trained_base, str(tmp)), probe)
+    d = (reloaded - ref_logits).abs().max().item()
+    tol = 1e-3 if ref["precision"] == "fp32" else 5e-2 * max(1.0, ref_logits.abs().max().item())
+    if d > tol:
+        raise SaveVerificationError(f"{tmp}: the reloaded adapter's logits differ from the trained model's by {d:.3g} "
+                                    f"(tolerance {tol:.3g}).")
+    report["adapter_reload_max_abs_logit_diff"] = d
+    del trained_base
+
+    # 2. merge into the base loaded in fp32 (never into a 4-bit base)
+    base16 = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    n_base = sum(p.numel() for p in base16.parameters())
+    pm = PeftModel.from_pretrained(base16, str(tmp))
+    unmerged = _logits(pm, probe)
+    if r.peft.method == "qlora":
+        report["qlora_16bit_vs_4bit_logit_diff"] = (unmerged - ref_logits).abs().max().item()
+    merged = pm.merge_and_unload()
+    merged.config.use_cache = False  # as the full fine-tuning save (the trained model's config)
+    merged_logits = _logits(merged, probe)
+    dm = (merged_logits - unmerged).abs().max().item()
+    if dm > r.peft.merge_atol:
+        raise SaveVerificationError(f"merged model's logits differ from base + adapter by {dm:.3g} "
+                                    f"(peft.merge_atol {r.peft.merge_atol}).")
+    report["merge_max_abs_logit_diff"] = dm
+
+    # 3. save merged model (+ tokenizer), verify by reload, publish adapter/ and model/
+    mtmp = out.with_name(out.name + ".merged.tmp")
+    shutil.rmtree(mtmp, ignore_errors=True)
+    merged.save_pretrained(str(mtmp))
+    tokenizer_save(mtmp)
+    saved = verify_saved_model(mtmp, n_base, probe, merged_logits, "fp32")
+    report.update(params=saved["params"], files=saved["files"], max_abs_logit_diff=saved["max_abs_logit_diff"])
+    adir = adapter_dir(r)
+    shutil.rmtree(adir, ignore_errors=True)
+    adir.mkdir(parents=True)
+    for f in tmp.iterdir():
+        if f.name.startswith("adapter_") or f.name == "README.md":
+            shutil.copy2(f, adir / f.name)
+    shutil.rmtree(out, ignore_errors=True)
+    mtmp.rename(out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return report

@@ -1,0 +1,120 @@
+"""LoRA / QLoRA (issue 8): config, planner terms, adapter-only training, reload, merge, GGUF export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_train_integration import zt
+from zerotune.config import RecipeError, load_recipe
+
+
+
+def test_peft_section_loads_and_qlora_refuses_deepspeed():
+    r = load_recipe("tiny_lora")
+    assert r.peft.method == "lora" and r.train.deepspeed
+    assert load_recipe("tiny").peft.method == "none"
+    with pytest.raises(RecipeError, match="qlora.*DeepSpeed"):
+        load_recipe("tiny_qlora", ["train.deepspeed=configs/deepspeed/zero3.json"])
+    with pytest.raises(RecipeError, match="Did you mean 'alpha'"):
+        load_recipe("tiny_lora", ["peft.alpah=8"])
+    with pytest.raises(RecipeError):
+        load_recipe("tiny_lora", ["peft.method=dora"])
+
+
+def test_planner_lora_terms():
+    from zerotune.plan import compute_plan
+    from zerotune.planner.memory import model_shape, peft_trainable_params
+
+    r = load_recipe("llama8b_lora_zero3")
+    shape = model_shape(r)
+    # r x (in + out) over q,k,v,o,gate,up,down: 16 x 81,920 per layer x 32 layers
+    assert peft_trainable_params(shape, 16, r.peft.target_modules, []) == 41_943_040
+    lora = compute_plan(r)["memory"]["parts"]["model states (DeepSpeed estimator)"]
+    full = compute_plan(load_recipe("llama8b_zero3"))["memory"]["parts"]["model states (DeepSpeed estimator)"]
+    assert lora < full / 4
+    q = compute_plan(load_recipe("llama8b_qlora_t4"))
+    assert q["memory"]["peak_bytes"] < 15 * 1024 ** 3  # one T4
+    assert "no ZeRO sharding" in q["memory"]["model_states_how"]
+
+
+def _tiny(vocab=256):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, initializer_range=0.1, use_cache=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.integration
+def test_lora_changes_only_adapters_reloads_and_merges(tmp_path):
+    import torch
+    from peft import PeftModel
+
+    from zerotune.peft_utils import lora_config
+
+    base = _tiny()
+    base.save_pretrained(tmp_path / "base")
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    r = load_recipe("tiny_lora", ["peft.modules_to_save=[]", "peft.dropout=0.0"])
+    from peft import get_peft_model
+
+    model = get_peft_model(base, lora_config(r))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randint(0, 256, (2, 32))
+    model.train()
+    losses = []
+    for _ in range(5):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    changed = {n for n, p in model.named_parameters() if "lora_" in n}
+    assert changed and all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+    for k, v in model.get_base_model().state_dict().items():  # frozen base untouched
+        if "lora_" not in k:
+            assert torch.equal(v, before[k.replace(".base_layer", "")]), k
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=x).logits
+    model.save_pretrained(tmp_path / "adapter")
+    from transformers import AutoModelForCausalLM
+
+    fresh = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    pm = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        reloaded = pm(input_ids=x).logits
+        assert (reloaded - trained).abs().max().item() < 1e-5
+        merged = pm.merge_and_unload()(input_ids=x).logits
+    assert (merged - reloaded).abs().max().item() < 1e-3  # peft.merge_atol default
+
+
+@pytest.mark.integration
+def test_qlora_chain_merges_and_exports_gguf(tmp_path):
+    """prepare -> QLoRA train (4-bit NF4 base, 1 CPU process) -> adapter + merged fp32 model -> GGUF q8_0."""
+    common = [f"output_dir={tmp_path}", "train.logging_steps=1"]
+    zt("prepare", "tiny_qlora", *common)
+    log = zt("train", "tiny_qlora", *common, "train.max_steps=3", "--force")
+    out = log.stdout + log.stderr
+    assert "peft qlora" in out and "trainable of" in out
+    m = json.loads((tmp_path / "train" / "manifest.json").read_text())
+    v = m["verify"]
+    assert v["method"] == "qlora"
+    assert v["adapter_reload_max_abs_logit_diff"] < 1e-3   # same 4-bit base + reloaded adapter == trained model
+    assert v["merge_max_abs_logit_diff"] < 1e-3            # merged fp32 model == fp32 base + adapter
+    assert v["max_abs_logit_diff"] < 1e-3                  # saved merged model reloads identically
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    assert not list((tmp_path / "model").glob("adapter_*"))
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(tmp_path / "model").model_type == "llama"
+    q = zt("quantize", "tiny_qlora", *common)
+    assert "checks passed" in q.stdout
+    qm = json.loads((tmp_path / "gguf" / "manifest.json").read_text())
+    assert qm["type"] == "q8_0" and Path(qm["gguf"]).exists()
