@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -54,8 +53,3 @@ def tiny_gguf(tmp_path_factory, tiny_model_dir) -> Path:
     out = tmp_path_factory.mktemp("gguf") / "tiny-q8_0.gguf"
     run_converter(tiny_model_dir, "q8_0", out)
     return out
-
-
-def copy_tree(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
