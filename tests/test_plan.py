@@ -86,3 +86,21 @@ def test_plan_main_writes_png(tmp_path):
     r = load_recipe("tiny", [f"output_dir={tmp_path}"])
     assert plan_main(r, as_json=True) == 0
     assert (tmp_path / "plan" / "memory.png").stat().st_size > 1000
+
+
+def test_disk_preflight_refuses_a_too_small_file_system(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from zerotune.plan import PlanError, compute_plan, disk_preflight
+
+    r = load_recipe("llama8b_zero3", [f"output_dir={tmp_path / 'run'}"])
+    d = compute_plan(r)["disk"]
+    # 12 B/param Adam + fp32 master and 2 B/param fp16 weights per checkpoint; 3 at once with save_total_limit 2
+    assert d["checkpoint_bytes"] == 14 * 8_030_261_248 and d["checkpoints_at_once"] == 3
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**40, 0, 100 * 2**30))
+    with pytest.raises(PlanError, match=r"100.0 GiB free; this run needs about 344.0 GiB.*save_total_limit"):
+        disk_preflight(r, tmp_path / "run")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**40, 0, 400 * 2**30))
+    assert disk_preflight(r, tmp_path / "run")["peak_bytes"] < 400 * 2**30

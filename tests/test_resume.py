@@ -1,8 +1,12 @@
-"""Runs that survive: SIGUSR1 -> committed checkpoint -> exit 75 -> rerun resumes exactly."""
+"""Runs that survive (real ZeRO-3, 2 CPU processes): SIGUSR1, kill -9, a full disk, a truncated checkpoint
+and a NaN loss each leave a committed checkpoint, and the resumed run's losses equal an uninterrupted run's."""
 
 from __future__ import annotations
 
 import json
+import os
+import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -14,24 +18,70 @@ from test_train_integration import REPO, metrics, zt
 
 pytestmark = pytest.mark.integration
 STEPS = 10
+COMMON = ["train.logging_steps=1", f"train.max_steps={STEPS}", "train.save_steps=2", "train.save_total_limit=2"]
 
 
-def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(tmp_path):
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    common = ["train.logging_steps=1", f"train.max_steps={STEPS}"]
-    for out in (ref, run):
-        zt("prepare", "tiny", f"output_dir={out}")
-    zt("train", "tiny", f"output_dir={ref}", *common)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    zt("prepare", "tiny", f"output_dir={out}")
+    zt("train", "tiny", f"output_dir={out}", *COMMON)
+    return out
 
-    logfile = open(tmp_path / "interrupted.log", "w+")  # a file, not a pipe: a full pipe would block the workers
-    proc = subprocess.Popen([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *common],
-                            cwd=REPO, stdout=logfile, stderr=subprocess.STDOUT, text=True)
+
+def fresh(reference: Path, out: Path, *parts: str) -> Path:
+    """A new run folder with the reference's prepared data and base model (same fingerprints)."""
+    for part in ("data", "base", *parts):
+        shutil.copytree(reference / part, out / part)
+    return out
+
+
+def start(out: Path, log: Path, *extra: str, recipe: str = "tiny", common=tuple(COMMON)) -> subprocess.Popen:
+    f = open(log, "w+")  # a file, not a pipe: a full pipe would block the workers
+    return subprocess.Popen([sys.executable, "-m", "zerotune", "train", recipe, f"output_dir={out}", *common, *extra],
+                            cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(proc: subprocess.Popen, out: Path, step: int, committed: int | None = None) -> None:
     deadline = time.time() + 600
-    mfile = run / "train" / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:
-        if mfile.exists() and len(mfile.read_text().splitlines()) >= 3:
-            break
-        time.sleep(0.5)
+        rows = metrics(out) if (out / "train" / "metrics.jsonl").exists() else []
+        marker = out / "checkpoints" / f"checkpoint-{committed}" / "zerotune_commit.json"
+        if rows and rows[-1]["step"] >= step and (committed is None or marker.exists()):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"run ended or timed out before step {step} (exit {proc.poll()})")
+
+
+def assert_matches_reference(reference: Path, out: Path) -> None:
+    a, b = metrics(reference), metrics(out)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1)), "every step exactly once"
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-6), (x, y)
+
+
+def test_rotation_keeps_the_newest_committed_checkpoints(reference):
+    from zerotune.checkpoint import problem
+
+    kept = sorted(p.name for p in (reference / "checkpoints").iterdir())
+    assert kept == ["checkpoint-10", "checkpoint-8"]
+    assert all(problem(reference / "checkpoints" / k) is None for k in kept)
+
+
+def test_planned_checkpoint_size_matches_the_real_one(reference):
+    from zerotune.config import load_recipe
+    from zerotune.plan import compute_plan
+
+    disk = compute_plan(load_recipe("tiny", [f"output_dir={reference}", *COMMON]))["disk"]
+    real = sum(f.stat().st_size for f in (reference / "checkpoints" / "checkpoint-10").rglob("*") if f.is_file())
+    assert abs(real - disk["checkpoint_bytes"]) / real < 0.02, (real, disk)
+    assert disk["checkpoints_at_once"] == 3  # save_total_limit 2 + the one being committed
+
+
+def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(reference, tmp_path):
+    run = fresh(reference, tmp_path / "run")
+    proc = start(run, tmp_path / "interrupted.log")
+    wait_for_step(proc, run, 3)
     # What slurm/finetune.sbatch's trap does: USR1 to the workers (torchrun's children), not to torchrun.
     subprocess.run(["pkill", "-USR1", "-f", f"python[^ ]* -u -m zerotune train tiny output_dir={run}"], check=True)
     proc.wait(timeout=600)
@@ -43,22 +93,127 @@ def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(tmp_path):
     assert (Path(stopped["checkpoint"]) / "zerotune_commit.json").exists()
     assert not (run / "model").exists(), "a stopped run must not publish a final model"
 
-    resumed = zt("train", "tiny", f"output_dir={run}", *common).stdout
+    resumed = zt("train", "tiny", f"output_dir={run}", *COMMON).stdout
     assert f"resuming from committed checkpoint {stopped['checkpoint']}" in resumed
-    a, b = metrics(ref), metrics(run)
-    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
-    for x, y in zip(a, b):
-        assert y["loss"] == pytest.approx(x["loss"], abs=1e-6), (x, y)
+    assert_matches_reference(reference, run)
 
 
-def test_uncommitted_checkpoint_is_ignored(tmp_path):
-    from zerotune.checkpoint import MARKER, last_committed
+def test_kill9_then_full_disk_then_resume_matches_uninterrupted_run(reference, tmp_path):
+    run = fresh(reference, tmp_path / "run")
+    proc = start(run, tmp_path / "killed.log")
+    wait_for_step(proc, run, 7, committed=6)
+    # A node failure: every process of the job, launcher and torchrun included, dies without warning.
+    subprocess.run(["pkill", "-9", "-f", f"zerotune train tiny output_dir={run}"], check=True)
+    proc.wait(timeout=60)
+    assert metrics(run)[-1]["step"] >= 7
+
+    # The disk fills while the resumed run saves checkpoint-8: the kernel refuses writes past the limit.
+    biggest = max(f.stat().st_size for f in (run / "checkpoints" / "checkpoint-6").rglob("*") if f.is_file())
+    limit = biggest - 1
+
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    full = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *COMMON],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, preexec_fn=small_disk)
+    log = full.stdout + full.stderr
+    assert full.returncode != 0, log[-3000:]
+    assert "writing checkpoint-8 failed" in log and "not committed" in log, log[-3000:]
+    assert f"last committed checkpoint: {run / 'checkpoints' / 'checkpoint-6'} (intact" in log, log[-3000:]
+    assert not (run / "checkpoints" / "checkpoint-8" / "zerotune_commit.json").exists()
+    assert not (run / "model").exists()
+
+    resumed = zt("train", "tiny", f"output_dir={run}", *COMMON).stdout
+    assert "skipping checkpoint-8: never committed" in resumed
+    assert f"resuming from committed checkpoint {run / 'checkpoints' / 'checkpoint-6'}" in resumed
+    assert "rows logged after step 6 by the interrupted attempt" in resumed
+    assert_matches_reference(reference, run)
+    assert (run / "model" / "model.safetensors").exists()
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous_one(reference, tmp_path):
+    run = fresh(reference, tmp_path / "run", "checkpoints")
+    shutil.copy(reference / "train" / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    (run / "train").mkdir()
+    shutil.copy(tmp_path / "metrics.jsonl", run / "train" / "metrics.jsonl")
+    victim = max((f for f in (run / "checkpoints" / "checkpoint-10").rglob("*") if f.is_file()),
+                 key=lambda f: f.stat().st_size)
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+
+    resumed = zt("train", "tiny", f"output_dir={run}", *COMMON).stdout
+    rel = victim.relative_to(run / "checkpoints" / "checkpoint-10")
+    assert f"skipping checkpoint-10: {rel} is" in resumed and "truncated" in resumed
+    assert f"resuming from committed checkpoint {run / 'checkpoints' / 'checkpoint-8'}" in resumed
+    assert_matches_reference(reference, run)
+
+
+def _nan_run(reference: Path, out: Path, fault: str, step: int, *extra: str) -> str:
+    run = fresh(reference, out)
+    env = {**os.environ, fault: str(step)}
+    proc = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *COMMON, *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode not in (0, 75), proc.stdout[-2000:]
+    assert not (run / "model").exists()
+    return proc.stdout + proc.stderr
+
+
+def _finite(ckpt: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    return all(torch.isfinite(t).all() for t in load_file(str(ckpt / "model.safetensors")).values())
+
+
+def test_nan_loss_stops_with_the_last_checkpoint_intact(reference, tmp_path):
+    log = _nan_run(reference, tmp_path / "run", "ZEROTUNE_FAULT_NAN_LOSS_STEP", 5)
+    assert "NonFiniteLossError: loss is nan at step 5" in log, log[-3000:]
+    ckpt = tmp_path / "run" / "checkpoints" / "checkpoint-4"
+    assert f"last committed checkpoint: {ckpt} (intact" in log
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert _finite(ckpt)
+
+
+def test_non_finite_weights_are_never_committed(reference, tmp_path):
+    # A NaN lands in rank 0's weight shard after the update of step 4, just before its save: nothing but the
+    # commit check stands between it and a checkpoint.
+    log = _nan_run(reference, tmp_path / "run", "ZEROTUNE_FAULT_NAN_WEIGHT_STEP", 4)
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert "NonFiniteWeightsError" in log and "checkpoint-4 holds non-finite" in log, log[-3000:]
+    assert f"last committed checkpoint: {ckpts / 'checkpoint-2'} (intact" in log
+    assert not (ckpts / "checkpoint-4" / "zerotune_commit.json").exists()
+    assert _finite(ckpts / "checkpoint-2")
+
+
+def test_rotation_and_validation_rules(tmp_path, capsys):
+    from zerotune.checkpoint import MARKER, file_sizes, last_committed, rotate
 
     root = tmp_path / "checkpoints"
-    for step, committed in ((2, True), (4, True), (6, False)):
+
+    def make(step, commit):
         d = root / f"checkpoint-{step}"
         d.mkdir(parents=True)
-        (d / "weights.bin").write_bytes(b"x")
-        if committed:
-            (d / MARKER).write_text("{}")
+        (d / "weights.bin").write_bytes(b"x" * 10)
+        if commit:
+            (d / MARKER).write_text(json.dumps({"step": step, "files": file_sizes(d)}))
+        return d
+
+    make(2, True), make(4, True), make(6, False), make(8, True)
+    (root / "checkpoint-8" / "weights.bin").write_bytes(b"x" * 5)
     assert last_committed(root) == root / "checkpoint-4"
+    assert "skipping checkpoint-8: weights.bin is 5 bytes but was committed with 10" in capsys.readouterr().out
+    # keep=1 after committing 8: older committed and stale uncommitted go, the newest committed stays
+    assert rotate(root, 1) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert [p.name for p in root.iterdir()] == ["checkpoint-8"]
+    assert rotate(root, 1) == []
+
+
+def test_metrics_rewind_moves_rows_after_the_resume_point(tmp_path):
+    from zerotune.metrics import StepMetrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 8)))
+    StepMetrics(path, 1, 1.0, 1.0, None, 1).rewind(4)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
+    moved = (tmp_path / "metrics.discarded.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in moved] == [5, 6, 7]

@@ -53,6 +53,24 @@ class StepMetrics(TrainerCallback):
         self._overflows_at_min = 0
         self.rows: list[dict] = []
 
+    def rewind(self, step: int) -> None:
+        """On resume from checkpoint `step`, rows logged after it by the interrupted attempt (a kill -9 lands
+        between checkpoints) are moved to metrics.discarded.jsonl, so each step appears once. Step 0: a fresh run."""
+        if not self.path.exists():
+            return
+        if step == 0:
+            self.path.unlink()
+            return
+        rows = [x for x in self.path.read_text().splitlines() if x.strip()]
+        keep = [x for x in rows if json.loads(x)["step"] <= step]
+        dropped = [x for x in rows if json.loads(x)["step"] > step]
+        if dropped:
+            with open(self.path.with_name("metrics.discarded.jsonl"), "a") as f:
+                f.write("\n".join(dropped) + "\n")
+            self.path.write_text("".join(x + "\n" for x in keep))
+            print(f"train: metrics: moved {len(dropped)} rows logged after step {step} by the interrupted attempt "
+                  f"to {self.path.with_name('metrics.discarded.jsonl')}", flush=True)
+
     def on_step_begin(self, args, state, control, **kw):
         if self._t0 is None:
             self._t0 = time.perf_counter()

@@ -61,6 +61,27 @@ def _peft(r: Recipe, shape):
     return r.peft.method, peft_trainable_params(shape, r.peft.r, r.peft.target_modules, r.peft.modules_to_save)
 
 
+def _disk(r: Recipe, shape, choice, peft) -> dict:
+    """Bytes on the shared file system: each checkpoint holds the fp32 master weights and Adam m, v of the
+    trainable parameters (12 B each, split over ranks) plus the Trainer's own save of the model (the gathered
+    16-bit weights, or the adapter). Rotation deletes old checkpoints only after the new one is committed, so
+    save_total_limit + 1 exist at once; finalize stages the published model beside the old one."""
+    w = 4 if choice.precision == "fp32" else 2
+    trainable = peft[1] if peft else shape.n_params
+    ckpt = 12 * trainable + w * trainable
+    steps = _data_steps(r)["total_steps"]  # None until the data is prepared
+    saves = max(1, steps // r.train.save_steps) if steps and r.train.save_steps > 0 else None
+    if r.train.save_steps <= 0:
+        at_once = 1  # only the checkpoint written on a SLURM signal
+    elif r.train.save_total_limit > 0:
+        at_once = min(r.train.save_total_limit + 1, saves or r.train.save_total_limit + 1)
+    else:
+        at_once = saves or 1
+    model = w * shape.n_params
+    return {"checkpoint_bytes": ckpt, "checkpoints_at_once": at_once, "model_bytes": model,
+            "peak_bytes": at_once * ckpt + 2 * model}
+
+
 def _step_time(r, shape, g, gpu_name, seq, world) -> dict:
     """FLOPs per optimizer step and the time at the assumed MFU (counting all executed FLOPs)."""
     T, N, L = r.train.global_batch_tokens, shape.n_params, shape.layers
@@ -173,6 +194,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
                    "cpu_bytes_per_node": own_mem["cpu_bytes_per_node"]},
         "options": options, "recommended": rec, "suggestions": suggestions,
         "time": time, "data": data, "inference": _inference(r, shape), "warnings": warnings,
+        "disk": _disk(r, shape, choice, _peft(r, shape)),
     }
 
 
@@ -241,6 +263,9 @@ def format_plan(p: dict) -> str:
                      f"{d['total_steps']} in this run")
     else:
         lines.append("  data: not prepared yet (run `zerotune prepare`) - steps per epoch unknown")
+    dk = p["disk"]
+    lines.append(f"\ndisk: {_gib(dk['checkpoint_bytes']).strip()} per checkpoint x {dk['checkpoints_at_once']} at once "
+                 f"+ 2 x {_gib(dk['model_bytes']).strip()} model = {_gib(dk['peak_bytes']).strip()} under output_dir")
     inf = p["inference"]
     lines.append(f"\ninference (GGUF, T4 {inf['t4_usable_gib']} GiB usable, f16 KV {inf['kv_bytes_per_token'] / 1024:g} KiB/token):")
     for q, row in inf["quant"].items():
@@ -306,6 +331,24 @@ def preflight(r: Recipe) -> dict:
                         f"{rc['micro_batch_size']}. Suggested: {fix}. (`zerotune plan {r.name}` shows the breakdown; "
                         "--force skips this check.)")
     return p
+
+
+def disk_preflight(r: Recipe, where) -> dict:
+    """Raise PlanError if output_dir's file system cannot hold the checkpoints: better now than a failed save
+    hours into the run (which would still leave the previous checkpoint intact)."""
+    import shutil
+    from pathlib import Path
+
+    d = compute_plan(r)["disk"]
+    where = Path(where)
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < d["peak_bytes"]:
+        raise PlanError(f"{where} has {free / GiB:.1f} GiB free; this run needs about {d['peak_bytes'] / GiB:.1f} GiB "
+                        f"({d['checkpoints_at_once']} checkpoints of {d['checkpoint_bytes'] / GiB:.1f} GiB + the model). "
+                        "Free space, lower train.save_total_limit, or set output_dir elsewhere (--force skips this check).")
+    return d
 
 
 def dry_run(r: Recipe) -> str:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from . import batch as batchmod
@@ -127,11 +128,12 @@ def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
     """Start the distributed job; returns its exit code."""
     import torch
 
-    from .plan import preflight
+    from .plan import disk_preflight, preflight
 
     require_prepared(r)  # fail here, in seconds, not after the launch
     if not force:
         preflight(r)  # predicted not to fit -> PlanError with the suggested change (--force overrides)
+        disk_preflight(r, r.out)
     materialise_base(r)
     n_gpu = torch.cuda.device_count()
     nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
@@ -151,6 +153,10 @@ def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
         print(f"train: the distributed job failed (exit {rc}); {final_model_dir(r)} and committed checkpoints "
               "are untouched.", file=sys.stderr, flush=True)
     return rc
+
+
+def resume_step(ckpt: Path | None) -> int:
+    return int(ckpt.name.rsplit("-", 1)[1]) if ckpt else 0
 
 
 def _collate_packed(rows):
@@ -192,15 +198,15 @@ def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choic
         max_grad_norm=r.train.max_grad_norm,
         fp16=choice.precision == "fp16",
         bf16=choice.precision == "bf16",
-        gradient_checkpointing=r.train.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        activation_checkpointing=r.train.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False},
         deepspeed=ds_config.build(r),
         use_cpu=not on_gpu,
         logging_steps=r.train.logging_steps,
         logging_nan_inf_filter=False,  # a NaN must be seen, not averaged away
         save_strategy="steps" if r.train.save_steps > 0 else "no",
         save_steps=r.train.save_steps if r.train.save_steps > 0 else 500,
-        save_total_limit=r.train.save_total_limit,
+        save_total_limit=None,  # CommitCheckpoints rotates, after a commit: HF deletes before the new one is good
         report_to=[] if r.train.report_to == "none" else [r.train.report_to],
         run_name=r.name,
         seed=r.train.seed,
@@ -237,10 +243,14 @@ def worker(r: Recipe) -> None:
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM, Trainer
 
-    from .checkpoint import REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopOnSignal, last_committed
+    from . import faults
+    from .checkpoint import (REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopOnSignal, describe_failure,
+                             discard_after, last_committed)
     from .metrics import StepMetrics, flops_per_token, plot_curves
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    # DeepSpeed 0.19 calls this torch API on every ZeRO-3 reduce: hundreds of identical lines per run bury the log
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
     if r.train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")  # log locally; `wandb sync` later. Keys never printed.
         if rank == 0:
@@ -295,19 +305,29 @@ def worker(r: Recipe) -> None:
                           gpu.peak_tflops, world)
     collate = _collate_packed if r.data.packing else _make_collate_padded(data_manifest["pad_token_id"])
     stop = StopOnSignal()
+    commit = CommitCheckpoints(r.train.save_total_limit)
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collate,
-                      callbacks=[metrics, stop, CommitCheckpoints()])
+                      callbacks=[metrics, stop, commit, *faults.callbacks(model)])
     metrics.trainer = trainer
+    resume = last_committed(checkpoints_dir(r), quiet=rank != 0)
+    if dist.is_initialized():
+        dist.barrier()  # every rank has chosen before rank 0 removes anything
     if rank == 0:
         (r.out / "train").mkdir(parents=True, exist_ok=True)
         (r.out / "train" / STOPPED_FILE).unlink(missing_ok=True)
-    resume = last_committed(checkpoints_dir(r))
-    if rank == 0 and resume is None:
-        (r.out / "train" / "metrics.jsonl").unlink(missing_ok=True)
-    if resume and rank == 0:
-        print(f"train: resuming from committed checkpoint {resume}", flush=True)
+        discard_after(checkpoints_dir(r), resume)
+        metrics.rewind(resume_step(resume))
+        if resume:
+            print(f"train: resuming from committed checkpoint {resume}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
     t0 = time.time()
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except Exception as e:
+        # every rank says it: the rank that failed first may be the only one left to print anything
+        print(f"[rank {rank}] " + describe_failure(e, checkpoints_dir(r), commit.saving), file=sys.stderr, flush=True)
+        raise
     elapsed = time.time() - t0
     if stop.stopped_at is not None:
         if rank == 0:

@@ -1,0 +1,51 @@
+"""Fault injection for the reliability tests: a real run with one induced fault.
+
+Enabled only by environment variables that the tests set; inert otherwise.
+- ZEROTUNE_FAULT_NAN_LOSS_STEP=N: the loss of optimizer step N is NaN (as a 0/0 sample or an fp16 overflow
+  would make it). DeepSpeed 0.19 skips a step whose gradient norm is not finite, in every precision, so the
+  weights stay finite; the run must still stop and say so.
+- ZEROTUNE_FAULT_NAN_WEIGHT_STEP=N: after the update of optimizer step N (before its save), rank 0's first
+  weight shard gets a NaN (a diverged or corrupted update), which the commit check must refuse.
+"""
+
+from __future__ import annotations
+
+import os
+
+from transformers import TrainerCallback
+
+ENV_NAN_LOSS = "ZEROTUNE_FAULT_NAN_LOSS_STEP"
+ENV_NAN_WEIGHT = "ZEROTUNE_FAULT_NAN_WEIGHT_STEP"
+
+
+class NaNLossAt(TrainerCallback):
+    def __init__(self, model, step: int):
+        self.step, self.current = step, 0
+        model.register_forward_hook(self._hook)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.current = state.global_step + 1
+
+    def _hook(self, module, inputs, output):
+        if module.training and self.current == self.step and getattr(output, "loss", None) is not None:
+            output.loss = output.loss * float("nan")
+        return output
+
+
+class NaNWeightAfter(TrainerCallback):
+    def __init__(self, model, step: int):
+        self.model, self.step = model, step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step and state.is_world_process_zero:
+            p = next(self.model.parameters())
+            (p.ds_tensor if hasattr(p, "ds_tensor") else p.data).view(-1)[0] = float("nan")
+
+
+def callbacks(model) -> list:
+    out = []
+    for env, cls in ((ENV_NAN_LOSS, NaNLossAt), (ENV_NAN_WEIGHT, NaNWeightAfter)):
+        if os.environ.get(env):
+            print(f"faults: {env}={os.environ[env]}: injecting a NaN", flush=True)
+            out.append(cls(model, int(os.environ[env])))
+    return out
