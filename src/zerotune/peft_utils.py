@@ -65,7 +65,11 @@ def lora_config(r: Recipe):
 def wrap(model, r: Recipe):
     """Add adapters (after prepare_model_for_kbit_training for QLoRA); returns (model, trainable, total)."""
     from peft import get_peft_model, prepare_model_for_kbit_training
+    from transformers import set_seed
 
+    # lora_A is drawn from the global RNG here, before the Trainer seeds it: without this, two runs of the same
+    # recipe start from different adapters (found by the resume test: grad norms differed at step 1)
+    set_seed(r.train.seed)
     if r.peft.method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=r.train.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
