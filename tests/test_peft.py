@@ -122,3 +122,22 @@ def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], abs=1e-6), (x, y)
     assert (run / "adapter" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.integration
+def test_qlora_on_two_processes_equals_one(tmp_path):
+    """QLoRA under DDP (each rank holds the 4-bit base; no ZeRO sharding): world 2 x GA 2 gives the same
+    per-step loss and grad norm as world 1 x GA 4 for the same token-stated global batch."""
+    from test_train_integration import metrics
+
+    runs = {}
+    for procs in (1, 2):
+        out = tmp_path / f"procs{procs}"
+        zt("prepare", "tiny_qlora", f"output_dir={out}")
+        log = zt("train", "tiny_qlora", f"output_dir={out}", f"train.cpu_procs={procs}", "train.max_steps=3",
+                 "train.logging_steps=1", "--force").stdout
+        assert f"world {procs} x grad-accum {4 // procs}" in log
+        runs[procs] = metrics(out)
+    for a, b in zip(runs[1], runs[2]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a, b)
