@@ -48,6 +48,8 @@ bench: setup  ## measured comparisons on this machine -> bench/results/*.md
 	$(PY) bench/bench_data.py
 	$(PY) bench/bench_inference.py
 	$(PY) -m pytest -q tests/test_activation_memory.py
+	$(PY) -m pip install -q --no-deps --upgrade --target bench/work/trl-site -r bench/requirements-bench.txt
+	$(PY) bench/bench_train.py
 
 clean:  ## remove run outputs (keeps .venv and assets)
 	rm -rf runs bench/work
