@@ -44,12 +44,13 @@ test: setup  ## all tests, integration included (what CI runs)
 test-fast: setup  ## unit tests only (seconds)
 	$(PY) -m pytest -q -m "not integration" tests
 
-bench: setup  ## measured comparisons on this machine -> bench/results/*.md
+bench: setup  ## measured comparisons on this machine -> bench/results.md (+ results/*.json, *.png)
 	$(PY) bench/bench_data.py
 	$(PY) bench/bench_inference.py
 	$(PY) -m pytest -q tests/test_activation_memory.py
 	$(PY) -m pip install -q --no-deps --upgrade --target bench/work/trl-site -r bench/requirements-bench.txt
 	$(PY) bench/bench_train.py
+	$(PY) bench/report.py
 
 clean:  ## remove run outputs (keeps .venv and assets)
 	rm -rf runs bench/work

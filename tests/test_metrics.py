@@ -58,3 +58,26 @@ def test_flops_per_token_for_llama8b():
     # 6N dominates; causal attention adds 6*L*d*S per token (at 16K: ~0.2x of 6N)
     f = flops_per_token(8_030_261_248, 32, 4096, 16384)
     assert f == pytest.approx(6 * 8_030_261_248 + 6 * 32 * 4096 * 16384)
+
+
+def test_label_tokens_are_counted_per_step_not_estimated(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64)).train()
+    cb = StepMetrics(tmp_path / "m.jsonl", tokens_per_step=32, label_fraction=0.5, flops_tok=1.0,
+                     peak_tflops=None, world_size=1)
+    cb.count_labels(model)
+    args, state = SimpleNamespace(fp16=False, device=torch.device("cpu")), SimpleNamespace(global_step=1)
+    x = torch.randint(0, 64, (2, 16))
+    for n_masked in (3, 10):  # two micro-batches of one optimizer step
+        labels = x.clone()
+        labels[:, :n_masked] = -100
+        model(input_ids=x, labels=labels)
+    model.eval()
+    model(input_ids=x, labels=x)  # evaluation forwards are not training tokens
+    cb.on_step_end(args, state, None)
+    assert cb.rows[-1]["label_tokens"] == 2 * (16 - 3) + 2 * (16 - 10)  # not 32 x 0.5
+    state.global_step = 2
+    cb.on_step_end(args, state, None)
+    assert cb.rows[-1]["label_tokens"] == 0  # reset every step

@@ -309,6 +309,7 @@ def worker(r: Recipe) -> None:
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collate,
                       callbacks=[metrics, stop, commit, *faults.callbacks(model)])
     metrics.trainer = trainer
+    metrics.count_labels(model)
     resume = last_committed(checkpoints_dir(r), quiet=rank != 0)
     if dist.is_initialized():
         dist.barrier()  # every rank has chosen before rank 0 removes anything
