@@ -28,14 +28,15 @@ class NonFiniteWeightsError(RuntimeError):
     pass
 
 
-def _step(p: Path) -> int:
+def step_of(p: Path) -> int:
+    """The step of a checkpoint-N folder; -1 for anything else."""
     m = re.fullmatch(r"checkpoint-(\d+)", p.name)
     return int(m.group(1)) if m else -1
 
 
 def _all(root: Path) -> list[Path]:
     root = Path(root)
-    return sorted((p for p in root.iterdir() if p.is_dir() and _step(p) >= 0), key=_step) if root.exists() else []
+    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) >= 0), key=step_of) if root.exists() else []
 
 
 def file_sizes(ckpt: Path) -> dict[str, int]:
@@ -75,10 +76,10 @@ def last_committed(ckpt_root: Path, quiet: bool = False) -> Path | None:
 def discard_after(ckpt_root: Path, resume: Path | None) -> list[str]:
     """Remove checkpoint folders newer than the resume point: they are partial or damaged (last_committed
     skipped them), and the resumed run would write into the same names, mixing stale files with new ones."""
-    limit = _step(resume) if resume else -1
+    limit = step_of(resume) if resume else -1
     gone = []
     for p in _all(ckpt_root):
-        if _step(p) > limit:
+        if step_of(p) > limit:
             shutil.rmtree(p)
             gone.append(p.name)
     if gone:
@@ -92,8 +93,8 @@ def rotate(ckpt_root: Path, keep: int | None) -> list[str]:
     good = committed(ckpt_root)
     if not good:
         return []
-    newest = _step(good[-1])
-    doomed = [p for p in _all(ckpt_root) if _step(p) < newest and not (p / MARKER).exists()]
+    newest = step_of(good[-1])
+    doomed = [p for p in _all(ckpt_root) if step_of(p) < newest and not (p / MARKER).exists()]
     if keep and keep > 0:
         doomed += good[:-keep]
     for p in doomed:

@@ -155,10 +155,6 @@ def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
     return rc
 
 
-def resume_step(ckpt: Path | None) -> int:
-    return int(ckpt.name.rsplit("-", 1)[1]) if ckpt else 0
-
-
 def _collate_packed(rows):
     import torch
 
@@ -245,7 +241,7 @@ def worker(r: Recipe) -> None:
 
     from . import faults
     from .checkpoint import (REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopOnSignal, describe_failure,
-                             discard_after, last_committed)
+                             discard_after, last_committed, step_of)
     from .metrics import StepMetrics, flops_per_token, plot_curves
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -317,7 +313,7 @@ def worker(r: Recipe) -> None:
         (r.out / "train").mkdir(parents=True, exist_ok=True)
         (r.out / "train" / STOPPED_FILE).unlink(missing_ok=True)
         discard_after(checkpoints_dir(r), resume)
-        metrics.rewind(resume_step(resume))
+        metrics.rewind(step_of(resume) if resume else 0)
         if resume:
             print(f"train: resuming from committed checkpoint {resume}", flush=True)
     if dist.is_initialized():
