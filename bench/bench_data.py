@@ -1,7 +1,7 @@
 """Data preparation benchmark: `prepare` vs a straightforward per-sample loop, on the same synthetic chat data.
 
-    .venv/bin/python bench/bench_data.py                  # 100k conversations, seq_len 4096
-    .venv/bin/python bench/bench_data.py --n 20000 --baseline-n 2000
+    .venv/bin/python bench/bench_data.py                  # 50k conversations, seq_len 4096, 3 repeats
+    .venv/bin/python bench/bench_data.py --n 20000 --baseline-n 2000 --repeats 5
 
 1. Generates N synthetic multi-turn conversations (1-6 user/assistant turns, a system prompt in 40% of
    them, message lengths log-normal from 3 to ~300 words) as JSONL in a temp dir.
@@ -13,6 +13,8 @@
    so the comparison favours the baseline). Its throughput is per token, so a subset measures it fairly;
    the time for all N is extrapolated linearly (documented in the output). It also checks that the
    baseline's ids and labels equal prepare's on that subset.
+4. Steps 2 and 3 alternate `--repeats` times; each ratio is taken within a repeat and reported as the median
+   with its spread over repeats (one measurement per side moved the ratio by up to 25% between idle runs).
 
 Writes bench/results/data.json and bench/results/data.md.
 """
@@ -24,6 +26,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +37,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_stats import fmt_ratio, ratio_stats  # noqa: E402
 
 SYLLABLES = ("ka lo mi ne ra ti so pu an el in or us et al ver con ing tion pre ble ment ous ter "
              "com pro dis ex ple ad ap ma de re po la ri").split()
@@ -80,8 +86,9 @@ def baseline(tok, rows: list[list[dict]]) -> tuple[list, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=100_000, help="conversations")
-    ap.add_argument("--baseline-n", type=int, default=5_000, help="conversations for the baseline loop")
+    ap.add_argument("--n", type=int, default=50_000, help="conversations")
+    ap.add_argument("--baseline-n", type=int, default=4_000, help="conversations for the baseline loop")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating prepare/baseline pairs")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "data"))
@@ -104,18 +111,31 @@ def main() -> None:
                        "data": {"sources": [str(src)], "seq_len": args.seq_len, "packing": True,
                                 "num_proc": args.num_proc}})
         tok = load_tokenizer(r)  # loaded before the clock starts, for both contenders
-        t0, c0 = time.perf_counter(), _cpu()
-        m = prepare(r, force=True, histogram=False)
-        prep_s, prep_cpu = time.perf_counter() - t0, _cpu() - c0
-        doc_tokens = m["tokens"]["train_real"]
-
-        # The baseline on a subset, and an exactness check against prepare's documents.
         with open(src) as f:
             sub = [json.loads(next(f))["messages"] for _ in range(min(args.baseline_n, args.n))]
-        c0 = _cpu()
-        base, base_s = baseline(tok, sub)
-        base_cpu = _cpu() - c0
-        base_tokens = sum(len(ids) for ids, _ in base)
+
+        # Alternate prepare and baseline so that drift in the machine's load hits both; the ratio is taken
+        # within each repeat, then summarised (median, spread) over repeats.
+        runs = []
+        for rep in range(args.repeats):
+            t0, c0 = time.perf_counter(), _cpu()
+            m = prepare(r, force=True, histogram=False)
+            prep_s, prep_cpu = time.perf_counter() - t0, _cpu() - c0
+            c0 = _cpu()
+            base, base_s = baseline(tok, sub)
+            base_cpu = _cpu() - c0
+            doc_tokens, base_tokens = m["tokens"]["train_real"], sum(len(ids) for ids, _ in base)
+            runs.append({"prepare_wall_s": round(prep_s, 2), "prepare_cpu_s": round(prep_cpu, 2),
+                         "prepare_tokens_per_s": doc_tokens / prep_s,
+                         "baseline_wall_s": round(base_s, 2), "baseline_cpu_s": round(base_cpu, 2),
+                         "baseline_tokens_per_s": base_tokens / base_s,
+                         "wall": (doc_tokens / prep_s) / (base_tokens / base_s),
+                         "per_cpu_second": (base_cpu / base_tokens) / (prep_cpu / doc_tokens)})
+            print(f"bench_data: repeat {rep + 1}/{args.repeats}: prepare {prep_s:.1f} s ({prep_cpu:.1f} CPU-s), "
+                  f"baseline {base_s:.1f} s ({base_cpu:.1f} CPU-s): {runs[-1]['wall']:.2f}x wall, "
+                  f"{runs[-1]['per_cpu_second']:.2f}x per CPU-s", flush=True)
+
+        # Exactness: the baseline's ids and labels against prepare's unpacked documents on the same rows.
         r2 = from_dict({**{k: v for k, v in r.to_dict().items() if k not in ("data", "output_dir")},
                         "output_dir": str(tmp / "run_sub"),
                         "data": {**r.to_dict()["data"], "packing": False,
@@ -124,28 +144,30 @@ def main() -> None:
         mine = load_from_disk(str(data_dir(r2) / "train"))
         exact = all(mine[i]["input_ids"] == base[i][0] and mine[i]["labels"] == base[i][1] for i in range(len(sub)))
 
-    prep_tps = doc_tokens / prep_s
-    base_tps = base_tokens / base_s
+    med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+    ratio = {"wall_tokens_per_s": ratio_stats([x["wall"] for x in runs]),
+             "per_cpu_second": ratio_stats([x["per_cpu_second"] for x in runs])}
     res = {
         "conversations": args.n,
         "seq_len": args.seq_len,
         "num_proc": args.num_proc,
+        "repeats": args.repeats,
         "generate_s": round(gen_s, 1),
-        "prepare": {"wall_s": round(prep_s, 1), "rows_per_s": round(args.n / prep_s),
-                    "doc_tokens": doc_tokens, "tokens_per_s": round(prep_tps),
+        "prepare": {"wall_s_median": round(med["prepare_wall_s"], 1), "rows_per_s": round(args.n / med["prepare_wall_s"]),
+                    "doc_tokens": doc_tokens, "tokens_per_s_median": round(med["prepare_tokens_per_s"]),
+                    "cpu_s_per_million_tokens": round(med["prepare_cpu_s"] / doc_tokens * 1e6, 2),
                     "label_tokens": m["tokens"]["train_label"],
                     "packed_sequences": m["sequences"]["train"],
                     "packing_efficiency": m["packing"]["efficiency"],
-                    "stage_s": m["timing_s"], "doc_length": m["doc_length"]},
-        "baseline": {"conversations": len(sub), "wall_s": round(base_s, 1), "tokens": base_tokens,
-                     "tokens_per_s": round(base_tps),
-                     "extrapolated_wall_s_for_all": round(doc_tokens / base_tps, 1),
+                    "stage_s_last": m["timing_s"], "doc_length": m["doc_length"]},
+        "baseline": {"conversations": len(sub), "wall_s_median": round(med["baseline_wall_s"], 1),
+                     "tokens": base_tokens, "tokens_per_s_median": round(med["baseline_tokens_per_s"]),
+                     "cpu_s_per_million_tokens": round(med["baseline_cpu_s"] / base_tokens * 1e6, 2),
+                     "extrapolated_wall_s_for_all": round(doc_tokens / med["baseline_tokens_per_s"], 1),
                      "what": "apply_chat_template(tokenize=True) per sample + one prefix apply_chat_template per "
                              "assistant turn; tokenize+label only (no validation, packing or writing)"},
-        "speedup_tokens_per_s": round(prep_tps / base_tps, 2),
-        "cpu_s_per_million_tokens": {"prepare": round(prep_cpu / doc_tokens * 1e6, 2),
-                                     "baseline": round(base_cpu / base_tokens * 1e6, 2)},
-        "speedup_per_cpu_second": round((base_cpu / base_tokens) / (prep_cpu / doc_tokens), 2),
+        "ratio": ratio,
+        "repeat_runs": runs,
         "identical_ids_and_labels_on_baseline_subset": exact,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
     }
@@ -153,22 +175,29 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     p, b = res["prepare"], res["baseline"]
+    rows = "\n".join(f"| {i + 1} | {x['prepare_wall_s']} | {x['prepare_cpu_s']} | {x['baseline_wall_s']} | "
+                     f"{x['baseline_cpu_s']} | {x['wall']:.2f}x | {x['per_cpu_second']:.2f}x |"
+                     for i, x in enumerate(runs))
     md = f"""# Data preparation benchmark
 
 {args.n:,} synthetic multi-turn conversations (1-6 turns, 40% with a system prompt), real Llama-3.1 tokenizer,
-seq_len {args.seq_len}, num_proc {args.num_proc}, {os.cpu_count()} CPUs (shared machine: expect noise).
+seq_len {args.seq_len}, num_proc {args.num_proc}, {os.cpu_count()} CPUs; `prepare` on all rows and the baseline on
+the first {b['conversations']:,} alternate {args.repeats} times (medians below).
 
-| | wall s | tokens/s | notes |
-|---|---:|---:|---|
-| `prepare` end to end | {p['wall_s']} | {p['tokens_per_s']:,} | {args.n:,} rows, {p['doc_tokens']:,} document tokens; tokenize {p['stage_s']['tokenize']} s, pack+write {p['stage_s']['pack_and_write']} s |
-| per-sample baseline | {b['wall_s']} (first {b['conversations']:,} rows) | {b['tokens_per_s']:,} | extrapolated {b['extrapolated_wall_s_for_all']} s for all rows; tokenize+label only |
+| | wall s | tokens/s | CPU-s per M tokens | notes |
+|---|---:|---:|---:|---|
+| `prepare` end to end | {p['wall_s_median']} | {p['tokens_per_s_median']:,} | {p['cpu_s_per_million_tokens']} | {args.n:,} rows, {p['doc_tokens']:,} document tokens: read, validate, template, tokenize, label, pack, write |
+| per-sample baseline | {b['wall_s_median']} (first {b['conversations']:,} rows) | {b['tokens_per_s_median']:,} | {b['cpu_s_per_million_tokens']} | extrapolated {b['extrapolated_wall_s_for_all']} s for all rows; tokenize+label only |
 
-- Speed-up in wall-clock tokens/s: **{res['speedup_tokens_per_s']}x** (prepare uses num_proc {args.num_proc}, the baseline 1 process)
-- Speed-up per CPU-second (user+sys of all processes; fair across num_proc and less sensitive to other load): **{res['speedup_per_cpu_second']}x**
-  ({res['cpu_s_per_million_tokens']['prepare']} vs {res['cpu_s_per_million_tokens']['baseline']} CPU-s per million tokens)
+- Speed-up in wall-clock tokens/s: **{fmt_ratio(ratio['wall_tokens_per_s'])}** (prepare uses num_proc {args.num_proc}, the baseline 1 process)
+- Speed-up per CPU-second (user+sys of all processes; fair across num_proc): **{fmt_ratio(ratio['per_cpu_second'])}**
 - Packing efficiency (real tokens / packed tokens): **{p['packing_efficiency']}** in {p['packed_sequences']:,} sequences
 - Document length (tokens): {p['doc_length']}
 - Baseline ids and labels identical to `prepare`'s on its {b['conversations']:,} conversations: **{exact}**
+
+| repeat | prepare wall s | prepare CPU-s | baseline wall s | baseline CPU-s | wall ratio | per CPU-s ratio |
+|---:|---:|---:|---:|---:|---:|---:|
+{rows}
 """
     out.with_suffix(".md").write_text(md)
     print(md)

@@ -80,6 +80,8 @@ ZT_OUT = WORK / "zerotune"
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(BENCH))
 
+from bench_stats import ratio_stats  # noqa: E402
+
 # The three estimates of useful-token throughput whose ratios to the padded Trainer are reported
 METRICS = {"label_tokens_per_s": "measured", "label_tokens_per_s_long_run": "long-run",
            "label_tokens_per_cpu_s_long_run": "long-run, per CPU-s"}
@@ -604,10 +606,7 @@ def main() -> None:
             for c in configs:
                 if c == "trainer_padded":
                     continue
-                per = [r[c][key] / r["trainer_padded"][key] for r in repeats]
-                med = statistics.median(per)
-                ratios[key][c] = {"per_repeat": [round(x, 3) for x in per], "median": round(med, 3),
-                                  "spread": round((max(per) - min(per)) / med, 3)}
+                ratios[key][c] = ratio_stats([r[c][key] / r["trainer_padded"][key] for r in repeats])
     notes = [
         "Label tokens = tokens with a loss (assistant turns incl. their <|eot_id|>); identical token ids and labels "
         "for zerotune, the Trainer baseline (bench_data.baseline) and TRL with assistant_only_loss=True "
