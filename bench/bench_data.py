@@ -1,6 +1,6 @@
 """Data preparation benchmark: `prepare` vs a straightforward per-sample loop, on the same synthetic chat data.
 
-    .venv/bin/python bench/bench_data.py                  # 50k conversations, seq_len 4096, 3 repeats
+    .venv/bin/python bench/bench_data.py                  # 30k conversations, seq_len 4096, 3 repeats
     .venv/bin/python bench/bench_data.py --n 20000 --baseline-n 2000 --repeats 5
 
 1. Generates N synthetic multi-turn conversations (1-6 user/assistant turns, a system prompt in 40% of
@@ -86,8 +86,8 @@ def baseline(tok, rows: list[list[dict]]) -> tuple[list, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--n", type=int, default=50_000, help="conversations")
-    ap.add_argument("--baseline-n", type=int, default=4_000, help="conversations for the baseline loop")
+    ap.add_argument("--n", type=int, default=30_000, help="conversations")
+    ap.add_argument("--baseline-n", type=int, default=2_500, help="conversations for the baseline loop")
     ap.add_argument("--repeats", type=int, default=3, help="alternating prepare/baseline pairs")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--num-proc", type=int, default=2)

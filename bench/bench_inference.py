@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--prefills", type=int, default=30, help="timed prefills per repeat (median)")
+    ap.add_argument("--prefills", type=int, default=20, help="timed prefills per repeat (median)")
     ap.add_argument("--decodes", type=int, default=5, help="timed decodes per repeat (median)")
     ap.add_argument("--threads", type=int, default=1, help="threads for both engines (see the module docstring)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for inference.json/.md")
