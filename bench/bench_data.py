@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_stats import fmt_ratio, ratio_stats  # noqa: E402
+from bench_stats import Steal, fmt_ratio, pct, ratio_stats  # noqa: E402
 
 SYLLABLES = ("ka lo mi ne ra ti so pu an el in or us et al ver con ing tion pre ble ment ous ter "
              "com pro dis ex ple ad ap ma de re po la ri").split()
@@ -118,19 +118,20 @@ def main() -> None:
         # within each repeat, then summarised (median, spread) over repeats.
         runs = []
         for rep in range(args.repeats):
-            t0, c0 = time.perf_counter(), _cpu()
+            t0, c0, steal = time.perf_counter(), _cpu(), Steal()
             m = prepare(r, force=True, histogram=False)
-            prep_s, prep_cpu = time.perf_counter() - t0, _cpu() - c0
-            c0 = _cpu()
+            prep_s, prep_cpu, prep_steal = time.perf_counter() - t0, _cpu() - c0, steal.fraction()
+            c0, steal = _cpu(), Steal()
             base, base_s = baseline(tok, sub)
-            base_cpu = _cpu() - c0
+            base_cpu, base_steal = _cpu() - c0, steal.fraction()
             doc_tokens, base_tokens = m["tokens"]["train_real"], sum(len(ids) for ids, _ in base)
             runs.append({"prepare_wall_s": round(prep_s, 2), "prepare_cpu_s": round(prep_cpu, 2),
                          "prepare_tokens_per_s": doc_tokens / prep_s,
                          "baseline_wall_s": round(base_s, 2), "baseline_cpu_s": round(base_cpu, 2),
                          "baseline_tokens_per_s": base_tokens / base_s,
                          "wall": (doc_tokens / prep_s) / (base_tokens / base_s),
-                         "per_cpu_second": (base_cpu / base_tokens) / (prep_cpu / doc_tokens)})
+                         "per_cpu_second": (base_cpu / base_tokens) / (prep_cpu / doc_tokens),
+                         "steal_prepare": prep_steal, "steal_baseline": base_steal})
             print(f"bench_data: repeat {rep + 1}/{args.repeats}: prepare {prep_s:.1f} s ({prep_cpu:.1f} CPU-s), "
                   f"baseline {base_s:.1f} s ({base_cpu:.1f} CPU-s): {runs[-1]['wall']:.2f}x wall, "
                   f"{runs[-1]['per_cpu_second']:.2f}x per CPU-s", flush=True)
@@ -144,7 +145,7 @@ def main() -> None:
         mine = load_from_disk(str(data_dir(r2) / "train"))
         exact = all(mine[i]["input_ids"] == base[i][0] and mine[i]["labels"] == base[i][1] for i in range(len(sub)))
 
-    med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+    med = {k: statistics.median(x[k] for x in runs) for k in runs[0] if not k.startswith("steal")}
     ratio = {"wall_tokens_per_s": ratio_stats([x["wall"] for x in runs]),
              "per_cpu_second": ratio_stats([x["per_cpu_second"] for x in runs])}
     res = {
@@ -176,7 +177,8 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     p, b = res["prepare"], res["baseline"]
     rows = "\n".join(f"| {i + 1} | {x['prepare_wall_s']} | {x['prepare_cpu_s']} | {x['baseline_wall_s']} | "
-                     f"{x['baseline_cpu_s']} | {x['wall']:.2f}x | {x['per_cpu_second']:.2f}x |"
+                     f"{x['baseline_cpu_s']} | {x['wall']:.2f}x | {x['per_cpu_second']:.2f}x | "
+                     f"{pct(x['steal_prepare'])} / {pct(x['steal_baseline'])} |"
                      for i, x in enumerate(runs))
     md = f"""# Data preparation benchmark
 
@@ -195,8 +197,8 @@ the first {b['conversations']:,} alternate {args.repeats} times (medians below).
 - Document length (tokens): {p['doc_length']}
 - Baseline ids and labels identical to `prepare`'s on its {b['conversations']:,} conversations: **{exact}**
 
-| repeat | prepare wall s | prepare CPU-s | baseline wall s | baseline CPU-s | wall ratio | per CPU-s ratio |
-|---:|---:|---:|---:|---:|---:|---:|
+| repeat | prepare wall s | prepare CPU-s | baseline wall s | baseline CPU-s | wall ratio | per CPU-s ratio | CPU steal prepare / baseline |
+|---:|---:|---:|---:|---:|---:|---:|---:|
 {rows}
 """
     out.with_suffix(".md").write_text(md)

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_stats import fmt_ratio, ratio_stats  # noqa: E402
+from bench_stats import Steal, fmt_ratio, pct, ratio_stats  # noqa: E402
 
 LABELS = {"hf": "transformers generate (fp32)", "gguf": "llama-cpp-python Q8_0"}
 
@@ -148,10 +148,12 @@ def main() -> None:
             model_dir = random_tiny_model(Path(tmp) / "model")
         gguf = Path(tmp) / "model-q8_0.gguf"
         run_converter(model_dir, "q8_0", gguf)
-        runs = {"hf": [], "gguf": []}
+        runs, steal = {"hf": [], "gguf": []}, []
         for rep in range(a.repeats):  # alternate so load drift hits both
+            st = Steal()
             runs["hf"].append(_in_fresh_process("hf", model_dir, a))
             runs["gguf"].append(_in_fresh_process("gguf", gguf, a))
+            steal.append(st.fraction())
             print(f"bench_inference: repeat {rep + 1}/{a.repeats}: " + ", ".join(
                 f"{m} {runs['gguf'][-1][m] / runs['hf'][-1][m]:.2f}x" for m in ("prompt_tokens_per_s",
                                                                                 "decode_tokens_per_s")), flush=True)
@@ -160,7 +162,8 @@ def main() -> None:
     ratio = {m: ratio_stats([g[m] / h[m] for h, g in zip(runs["hf"], runs["gguf"])]) for m in metrics}
     res = {"model": str(model_dir), "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
            "repeats": a.repeats, "prefills_per_repeat": a.prefills, "decodes_per_repeat": a.decodes,
-           "cpus": os.cpu_count(), "median": med, "ratio_gguf_over_hf": ratio, "runs": runs}
+           "cpus": os.cpu_count(), "median": med, "ratio_gguf_over_hf": ratio, "runs": runs,
+           "cpu_steal_per_repeat": steal}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "inference.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -176,6 +179,8 @@ def main() -> None:
           f"({os.cpu_count()} CPUs; see bench_inference.py on why). Per repeat each engine runs in a fresh process: prefill timed {a.prefills} times, decode "
           f"{a.decodes} times (medians); {a.repeats} alternating repeats, ratio taken within each repeat:", ""]
     md += [f"- {m.replace('_', ' ')}: {fmt_ratio(ratio[m])}" for m in metrics]
+    md += [f"- CPU steal per repeat (hypervisor, /proc/stat): "
+           + ", ".join(pct(x) for x in steal)]
     (out / "inference.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 

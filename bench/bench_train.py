@@ -1,6 +1,6 @@
 """Training-throughput benchmark (issue 9): zerotune vs the padded HF Trainer vs TRL SFTTrainer, same job.
 
-    .venv/bin/python bench/bench_train.py      # 4 configs x 2 alternating repeats: ~8 min on 2 idle cores
+    .venv/bin/python bench/bench_train.py      # zerotune + padded Trainer x 3 alternating repeats, TRL x 1: ~12 min
     .venv/bin/python bench/bench_train.py --repeats 3 --steps 8 --configs zerotune,trainer_padded
 
 What is compared (one model, one data set, one set of hyper-parameters, 2 CPU processes under torchrun,
@@ -80,7 +80,7 @@ ZT_OUT = WORK / "zerotune"
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(BENCH))
 
-from bench_stats import ratio_stats  # noqa: E402
+from bench_stats import Steal, pct, ratio_stats  # noqa: E402
 
 # The three estimates of useful-token throughput whose ratios to the padded Trainer are reported
 METRICS = {"label_tokens_per_s": "measured", "label_tokens_per_s_long_run": "long-run",
@@ -412,9 +412,10 @@ def plot(res: dict, png: Path) -> None:
     a.bar([i + w / 2 for i in x], [res["median"][c]["label_tokens_per_s_long_run"] for c in names], w,
           color=colors, alpha=0.5, hatch="//", label="long-run estimate")
     for i, c in enumerate(names):
-        a.scatter([i - w / 2] * len(res["repeats"]), [r[c]["label_tokens_per_s"] for r in res["repeats"]],
+        mine = [r[c] for r in res["repeats"] if c in r]
+        a.scatter([i - w / 2] * len(mine), [m["label_tokens_per_s"] for m in mine],
                   color="k", s=10, zorder=3)
-        a.scatter([i + w / 2] * len(res["repeats"]), [r[c]["label_tokens_per_s_long_run"] for r in res["repeats"]],
+        a.scatter([i + w / 2] * len(mine), [m["label_tokens_per_s_long_run"] for m in mine],
                   color="k", s=10, zorder=3)
     a.set_ylabel("label tokens / s (2 CPU ranks)")
     a.set_title("Useful-token throughput (median; dots = repeats)", fontsize=10)
@@ -443,7 +444,7 @@ def markdown(res: dict) -> str:
         f"DeepSpeed ZeRO-3 on {HP['procs']} CPU processes, fp32, gradient accumulation {s['grad_accum']}, "
         f"{s['steps']} optimizer steps per run ({s['trl_steps']} for TRL, whose CPU loss path makes a step 3-4x as "
         f"long) of which the first {s['warmup']} not measured, {s['repeats']} "
-        f"alternating repeats, {res['machine']['cpus']} CPUs shared with other jobs (ratios within a repeat are what "
+        f"alternating repeats (TRL in the first {s.get('trl_repeats', s['repeats'])}), {res['machine']['cpus']} CPUs shared with other jobs (ratios within a repeat are what "
         f"count). Whole benchmark: {res['wall_s'] / 60:.1f} min. Medians over repeats:",
         "",
         "| config | label tokens/s, measured | label tokens/s, long-run | label tokens per CPU-s, long-run | "
@@ -473,10 +474,15 @@ def markdown(res: dict) -> str:
               "|---|---|" + "---:|" * (s["repeats"] + 1)]
     for key, name in METRICS.items():
         for c, r in rat.get(key, {}).items():
-            lines.append(f"| {LABELS[c]} | {name} | " + " | ".join(f"{x:.2f}x" for x in r["per_repeat"]) +
-                         f" | {r['spread']:.1%} |")
+            cells = r["per_repeat"] + [None] * (s["repeats"] - len(r["per_repeat"]))
+            lines.append(f"| {LABELS[c]} | {name} | " + " | ".join("-" if x is None else f"{x:.2f}x" for x in cells) +
+                         (f" | {r['spread']:.1%} |" if len(r["per_repeat"]) > 1 else " | - |"))
     lines += ["", "CPU-seconds the job got per wall second (2.00 = both cores throughout; less = other jobs took them): "
-              + "; ".join(f"{LABELS[c]} " + ", ".join(f"{r[c]['cpu_utilisation']:.2f}" for r in res["repeats"])
+              + "; ".join(f"{LABELS[c]} " + ", ".join(f"{r[c]['cpu_utilisation']:.2f}" for r in res["repeats"] if c in r)
+                          for c in CONFIGS if c in med) + ".",
+              "", "CPU steal during each run (share of the vCPUs' time the hypervisor gave to other guests, "
+              "from /proc/stat; it slows a run without showing in its CPU time): "
+              + "; ".join(f"{LABELS[c]} " + ", ".join(pct(r[c].get("steal")) for r in res["repeats"] if c in r)
                           for c in CONFIGS if c in med) + "."]
     ab = res.get("same_job_ab")
     if ab:
@@ -514,7 +520,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1, help="first steps not measured")
     ap.add_argument("--ab-steps", type=int, default=14,
                     help="steps of the same-job A/B diagnostic (packed and padded batches alternating); 0 = skip")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating repeats of zerotune and the padded Trainer")
+    ap.add_argument("--trl-repeats", type=int, default=1,
+                    help="of those, how many also run the TRL configs (CPU artefacts, 3-4x as slow: see the notes)")
     ap.add_argument("--docs-per-micro", type=int, default=0, help="padded micro-batch in documents; 0 = match a packed row")
     ap.add_argument("--conversations", type=int, default=0, help="0 = 2x what the longest run consumes")
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -566,16 +574,19 @@ def main() -> None:
     for rep in range(a.repeats):
         this = {}
         for c in configs:
+            if c.startswith("trl") and rep >= a.trl_repeats:
+                continue
+            steal = Steal()
             log = WORK / f"log-{c}-{rep}.txt"
             if c == "zerotune":
                 run = run_zerotune(a, log, env)
             else:
                 run = run_baseline(c, a, {**spec, "micro_batch": 1 if c == "trl_packing" else b,
                                           "steps": a.trl_steps if c.startswith("trl") else a.steps}, log, env)
-            this[c] = summarise(run, a.warmup, long_eff[c], label_fraction)
+            this[c] = {**summarise(run, a.warmup, long_eff[c], label_fraction), "steal": steal.fraction()}
             print(f"bench_train: repeat {rep + 1} {c}: {this[c]['label_tokens_per_s']:,.0f} label tok/s, "
                   f"{this[c]['processed_tokens_per_s']:,.0f} processed tok/s, eff {this[c]['efficiency']:.3f}, "
-                  f"peak {this[c]['peak_mem_gib']:.2f} GiB, run {this[c]['wall_s']:.0f} s", flush=True)
+                  f"peak {this[c]['peak_mem_gib']:.2f} GiB, run {this[c]['wall_s']:.0f} s, steal {this[c]['steal']}", flush=True)
         repeats.append(this)
 
     ab = None
@@ -598,7 +609,7 @@ def main() -> None:
             "real_tokens_per_s", "processed_tokens_per_s", "cpu_utilisation", "efficiency", "efficiency_long_run",
             "peak_mem_gib",
             "label_tokens_per_step", "real_tokens_per_step", "wall_s", "startup_and_teardown_s")
-    median = {c: {k: statistics.median(r[c][k] for r in repeats) for k in keys} for c in configs}
+    median = {c: {k: statistics.median(r[c][k] for r in repeats if c in r) for k in keys} for c in configs}
     ratios = {}
     if "trainer_padded" in configs:
         for key in METRICS:
@@ -606,7 +617,7 @@ def main() -> None:
             for c in configs:
                 if c == "trainer_padded":
                     continue
-                ratios[key][c] = ratio_stats([r[c][key] / r["trainer_padded"][key] for r in repeats])
+                ratios[key][c] = ratio_stats([r[c][key] / r["trainer_padded"][key] for r in repeats if c in r])
     notes = [
         "Label tokens = tokens with a loss (assistant turns incl. their <|eot_id|>); identical token ids and labels "
         "for zerotune, the Trainer baseline (bench_data.baseline) and TRL with assistant_only_loss=True "
@@ -641,7 +652,7 @@ def main() -> None:
     res = {
         "setup": {"seq_len": a.seq_len, "grad_accum": a.grad_accum, "steps": a.steps, "trl_steps": a.trl_steps,
                   "warmup": a.warmup,
-                  "repeats": a.repeats, "conversations": n, "processes": HP["procs"], "hyper_parameters": HP,
+                  "repeats": a.repeats, "trl_repeats": min(a.trl_repeats, a.repeats), "conversations": n, "processes": HP["procs"], "hyper_parameters": HP,
                   "padded_docs_per_micro_batch": b, "packing_efficiency_prepared": pack_eff,
                   "label_fraction": label_fraction, "efficiency_long_run": long_eff,
                   "expected_padding_efficiency_by_docs_per_micro_batch": pad_eff,
