@@ -9,7 +9,9 @@ predictions, because no GPU is measured here.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
+import statistics
 import os
 import platform
 import sys
@@ -57,6 +59,64 @@ def planner_validation() -> str:
             "Checkpoint size is validated by tests/test_resume.py (tiny recipe within 0.05%).\n")
 
 
+# (column, file, path to the median ratio): the headline ratios whose stability across runs is tracked
+HEADLINE = (
+    ("training, measured", "train", ("ratio_vs_trainer_padded", "label_tokens_per_s", "zerotune", "median")),
+    ("training, per CPU-s", "train", ("ratio_vs_trainer_padded", "label_tokens_per_cpu_s_long_run", "zerotune",
+                                      "median")),
+    ("data, wall", "data", ("ratio", "wall_tokens_per_s", "median")),
+    ("data, per CPU-s", "data", ("ratio", "per_cpu_second", "median")),
+    ("inference, prompt", "inference", ("ratio_gguf_over_hf", "prompt_tokens_per_s", "median")),
+    ("inference, decode", "inference", ("ratio_gguf_over_hf", "decode_tokens_per_s", "median")),
+)
+HISTORY_ROWS = 6
+
+
+def headline(results: Path) -> dict | None:
+    """This run's headline ratios, keyed by a hash of the result files (so re-running the report adds nothing)."""
+    docs = {}
+    for name in ("train", "data", "inference"):
+        f = results / f"{name}.json"
+        if not f.exists():
+            return None
+        docs[name] = json.loads(f.read_text())
+    row = {"id": hashlib.sha256("".join(json.dumps(docs[k], sort_keys=True) for k in sorted(docs)).encode())
+           .hexdigest()[:12], "date": str(datetime.date.today())}
+    for col, name, path in HEADLINE:
+        v = docs[name]
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        row[col] = v
+    return row
+
+
+def history(results: Path) -> str:
+    """Append this run's headline ratios to history.jsonl and tabulate the last runs: the repeat-stability check."""
+    hist = results / "history.jsonl"
+    rows = [json.loads(x) for x in hist.read_text().splitlines() if x.strip()] if hist.exists() else []
+    row = headline(results)
+    if row and all(r["id"] != row["id"] for r in rows):
+        rows.append(row)
+        hist.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = rows[-HISTORY_ROWS:]
+    if len(rows) < 2:
+        return ""
+    cols = [c for c, _, _ in HEADLINE]
+    out = ["## Across runs (stability)", "",
+           f"Median ratios of the last {len(rows)} `make bench` runs (bench/results/history.jsonl; "
+           "spread = (max - min) / median over these runs):", "",
+           "| run | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for r in rows:
+        out.append(f"| {r['date']} {r['id'][:6]}{' (' + r['note'] + ')' if r.get('note') else ''} | "
+                   + " | ".join("-" if r.get(c) is None else f"{r[c]:.2f}x" for c in cols) + " |")
+    spread = []
+    for c in cols:
+        v = [r[c] for r in rows if r.get(c) is not None]
+        spread.append(f"{(max(v) - min(v)) / statistics.median(v):.1%}" if len(v) > 1 else "-")
+    out.append("| **spread** | " + " | ".join(spread) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> int:
     parts = [f"# `make bench` results\n\n{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, "
              f"Python {platform.python_version()}. Ratios are measured side by side in one run; absolute numbers "
@@ -71,6 +131,7 @@ def main() -> int:
         parts.append(text + "\n")
         if (RESULTS / f"{name}.png").exists():
             parts.append(f"![{name}](results/{name}.png)\n")
+    parts.append(history(RESULTS))
     parts.append(planner_validation())
     parts.append(predictions() + "\n")
     out = REPO / "bench" / "results.md"
