@@ -136,10 +136,12 @@ def main() -> None:
                   f"baseline {base_s:.1f} s ({base_cpu:.1f} CPU-s): {runs[-1]['wall']:.2f}x wall, "
                   f"{runs[-1]['per_cpu_second']:.2f}x per CPU-s", flush=True)
 
-        # Exactness: the baseline's ids and labels against prepare's unpacked documents on the same rows.
+        # Exactness: the baseline's ids and labels against prepare's unpacked documents on the same rows, at a
+        # seq_len that holds the longest of them (the baseline never truncates; at --seq-len prepare would).
         r2 = from_dict({**{k: v for k, v in r.to_dict().items() if k not in ("data", "output_dir")},
                         "output_dir": str(tmp / "run_sub"),
                         "data": {**r.to_dict()["data"], "packing": False,
+                                 "seq_len": max(args.seq_len, max(len(ids) for ids, _ in base)),
                                  "sources": [{"path": str(_head(src, tmp / "sub.jsonl", len(sub)))}]}})
         prepare(r2, force=True, histogram=False)
         mine = load_from_disk(str(data_dir(r2) / "train"))

@@ -26,7 +26,7 @@ def pct(x: float | None) -> str:
 class Steal:
     """Share of CPU time the hypervisor gave to other guests ("steal" in /proc/stat) while a benchmark ran.
     This VM's vCPUs are shared: at 8-26% steal (seen during `make bench`) wall-clock timings of identical work
-    moved by a third, so every result records the steal it was measured under."""
+    moved by up to a third, so every result records the steal it was measured under."""
 
     def __init__(self):
         self.start = self._read()

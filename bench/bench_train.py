@@ -1,6 +1,6 @@
 """Training-throughput benchmark (issue 9): zerotune vs the padded HF Trainer vs TRL SFTTrainer, same job.
 
-    .venv/bin/python bench/bench_train.py      # zerotune + padded Trainer x 3 alternating repeats, TRL x 1: ~12 min
+    .venv/bin/python bench/bench_train.py      # zerotune + padded Trainer x 3 alternating repeats, TRL x 1: 10-13 min
     .venv/bin/python bench/bench_train.py --repeats 3 --steps 8 --configs zerotune,trainer_padded
 
 What is compared (one model, one data set, one set of hyper-parameters, 2 CPU processes under torchrun,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import statistics
 import os
 import platform
 import sys
@@ -20,6 +19,10 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_stats import ratio_stats  # noqa: E402
+
 RESULTS = REPO / "bench" / "results"
 T4_BYTES_PER_S = 320e9  # T4 memory bandwidth: decode reads every weight once per token
 
@@ -112,7 +115,7 @@ def history(results: Path) -> str:
     spread = []
     for c in cols:
         v = [r[c] for r in rows if r.get(c) is not None]
-        spread.append(f"{(max(v) - min(v)) / statistics.median(v):.1%}" if len(v) > 1 else "-")
+        spread.append(f"{ratio_stats(v)['spread']:.1%}" if len(v) > 1 else "-")
     out.append("| **spread** | " + " | ".join(spread) + " |")
     return "\n".join(out) + "\n"
 
