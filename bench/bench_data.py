@@ -13,8 +13,10 @@
    so the comparison favours the baseline). Its throughput is per token, so a subset measures it fairly;
    the time for all N is extrapolated linearly (documented in the output). It also checks that the
    baseline's ids and labels equal prepare's on that subset.
-4. Steps 2 and 3 alternate `--repeats` times; each ratio is taken within a repeat and reported as the median
-   with its spread over repeats (one measurement per side moved the ratio by up to 25% between idle runs).
+4. Baseline slices bracket every prepare (B P B P ... B, `--repeats` prepares); each prepare is compared with
+   the mean of the slices just before and after it, and the ratio is reported as the median with its spread
+   over repeats (one measurement per side moved the ratio by up to 25% between idle runs). Consecutive
+   baseline slices do identical work: their ratio (A/A) is the machine's noise floor, reported alongside.
 
 Writes bench/results/data.json and bench/results/data.md.
 """
@@ -87,7 +89,7 @@ def baseline(tok, rows: list[list[dict]]) -> tuple[list, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=30_000, help="conversations")
-    ap.add_argument("--baseline-n", type=int, default=2_500, help="conversations for the baseline loop")
+    ap.add_argument("--baseline-n", type=int, default=2_000, help="conversations for the baseline loop")
     ap.add_argument("--repeats", type=int, default=3, help="alternating prepare/baseline pairs")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--num-proc", type=int, default=2)
@@ -114,27 +116,36 @@ def main() -> None:
         with open(src) as f:
             sub = [json.loads(next(f))["messages"] for _ in range(min(args.baseline_n, args.n))]
 
-        # Alternate prepare and baseline so that drift in the machine's load hits both; the ratio is taken
-        # within each repeat, then summarised (median, spread) over repeats.
+        # Baseline slices bracket every prepare (B P B P ... B): each prepare is compared with the baseline
+        # measured just before and just after it, so load drift over the minute a prepare takes hits both sides
+        # alike. Consecutive slices repeat identical work: their ratio is this machine's noise floor (A/A).
+        def slice_():
+            c0, steal = _cpu(), Steal()
+            out, wall = baseline(tok, sub)
+            return out, {"wall_s": wall, "cpu_s": _cpu() - c0, "tokens": sum(len(ids) for ids, _ in out),
+                         "steal": steal.fraction()}
+
+        base, b_prev = slice_()
         runs = []
         for rep in range(args.repeats):
             t0, c0, steal = time.perf_counter(), _cpu(), Steal()
             m = prepare(r, force=True, histogram=False)
             prep_s, prep_cpu, prep_steal = time.perf_counter() - t0, _cpu() - c0, steal.fraction()
-            c0, steal = _cpu(), Steal()
-            base, base_s = baseline(tok, sub)
-            base_cpu, base_steal = _cpu() - c0, steal.fraction()
-            doc_tokens, base_tokens = m["tokens"]["train_real"], sum(len(ids) for ids, _ in base)
+            base, b_next = slice_()
+            doc_tokens, base_tokens = m["tokens"]["train_real"], b_next["tokens"]
+            b_wall, b_cpu = (b_prev["wall_s"] + b_next["wall_s"]) / 2, (b_prev["cpu_s"] + b_next["cpu_s"]) / 2
             runs.append({"prepare_wall_s": round(prep_s, 2), "prepare_cpu_s": round(prep_cpu, 2),
                          "prepare_tokens_per_s": doc_tokens / prep_s,
-                         "baseline_wall_s": round(base_s, 2), "baseline_cpu_s": round(base_cpu, 2),
-                         "baseline_tokens_per_s": base_tokens / base_s,
-                         "wall": (doc_tokens / prep_s) / (base_tokens / base_s),
-                         "per_cpu_second": (base_cpu / base_tokens) / (prep_cpu / doc_tokens),
-                         "steal_prepare": prep_steal, "steal_baseline": base_steal})
+                         "baseline_wall_s": round(b_wall, 2), "baseline_cpu_s": round(b_cpu, 2),
+                         "baseline_tokens_per_s": base_tokens / b_wall,
+                         "wall": (doc_tokens / prep_s) / (base_tokens / b_wall),
+                         "per_cpu_second": (b_cpu / base_tokens) / (prep_cpu / doc_tokens),
+                         "baseline_a_a": b_prev["wall_s"] / b_next["wall_s"],
+                         "steal_prepare": prep_steal, "steal_baseline": max(b_prev["steal"] or 0, b_next["steal"] or 0)})
+            b_prev = b_next
             print(f"bench_data: repeat {rep + 1}/{args.repeats}: prepare {prep_s:.1f} s ({prep_cpu:.1f} CPU-s), "
-                  f"baseline {base_s:.1f} s ({base_cpu:.1f} CPU-s): {runs[-1]['wall']:.2f}x wall, "
-                  f"{runs[-1]['per_cpu_second']:.2f}x per CPU-s", flush=True)
+                  f"baseline {b_wall:.1f} s ({b_cpu:.1f} CPU-s, mean of the slices before and after): "
+                  f"{runs[-1]['wall']:.2f}x wall, {runs[-1]['per_cpu_second']:.2f}x per CPU-s", flush=True)
 
         # Exactness: the baseline's ids and labels against prepare's unpacked documents on the same rows, at a
         # seq_len that holds the longest of them (the baseline never truncates; at --seq-len prepare would).
@@ -149,7 +160,8 @@ def main() -> None:
 
     med = {k: statistics.median(x[k] for x in runs) for k in runs[0] if not k.startswith("steal")}
     ratio = {"wall_tokens_per_s": ratio_stats([x["wall"] for x in runs]),
-             "per_cpu_second": ratio_stats([x["per_cpu_second"] for x in runs])}
+             "per_cpu_second": ratio_stats([x["per_cpu_second"] for x in runs]),
+             "baseline_a_a": ratio_stats([x["baseline_a_a"] for x in runs])}
     res = {
         "conversations": args.n,
         "seq_len": args.seq_len,
@@ -179,14 +191,15 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     p, b = res["prepare"], res["baseline"]
     rows = "\n".join(f"| {i + 1} | {x['prepare_wall_s']} | {x['prepare_cpu_s']} | {x['baseline_wall_s']} | "
-                     f"{x['baseline_cpu_s']} | {x['wall']:.2f}x | {x['per_cpu_second']:.2f}x | "
+                     f"{x['baseline_cpu_s']} | {x['wall']:.2f}x | {x['per_cpu_second']:.2f}x | {x['baseline_a_a']:.2f}x | "
                      f"{pct(x['steal_prepare'])} / {pct(x['steal_baseline'])} |"
                      for i, x in enumerate(runs))
     md = f"""# Data preparation benchmark
 
 {args.n:,} synthetic multi-turn conversations (1-6 turns, 40% with a system prompt), real Llama-3.1 tokenizer,
 seq_len {args.seq_len}, num_proc {args.num_proc}, {os.cpu_count()} CPUs; `prepare` on all rows and the baseline on
-the first {b['conversations']:,} alternate {args.repeats} times (medians below).
+the first {b['conversations']:,} alternate: B P B P ... B, {args.repeats} prepares, each compared with the mean of the
+baseline slices just before and after it (medians below).
 
 | | wall s | tokens/s | CPU-s per M tokens | notes |
 |---|---:|---:|---:|---|
@@ -197,10 +210,11 @@ the first {b['conversations']:,} alternate {args.repeats} times (medians below).
 - Speed-up per CPU-second (user+sys of all processes; fair across num_proc): **{fmt_ratio(ratio['per_cpu_second'])}**
 - Packing efficiency (real tokens / packed tokens): **{p['packing_efficiency']}** in {p['packed_sequences']:,} sequences
 - Document length (tokens): {p['doc_length']}
+- Noise floor: one baseline slice against the next, identical work (A/A): **{fmt_ratio(ratio['baseline_a_a'])}**
 - Baseline ids and labels identical to `prepare`'s on its {b['conversations']:,} conversations: **{exact}**
 
-| repeat | prepare wall s | prepare CPU-s | baseline wall s | baseline CPU-s | wall ratio | per CPU-s ratio | CPU steal prepare / baseline |
-|---:|---:|---:|---:|---:|---:|---:|---:|
+| repeat | prepare wall s | prepare CPU-s | baseline wall s | baseline CPU-s | wall ratio | per CPU-s ratio | A/A | CPU steal prepare / baseline |
+|---:|---:|---:|---:|---:|---:|---:|---:|---:|
 {rows}
 """
     out.with_suffix(".md").write_text(md)

@@ -9,14 +9,19 @@ VM, identical calls scattered by up to 3x (llama.cpp: a 128-token prefill took 5
 target the GPU does this work; these CPU figures are context, not a T4 prediction.
 
 HF prefill is timed with logits for the last position only (as generate() and llama.cpp compute them).
-Each measurement runs in its own fresh process (in one process torch's OpenMP workers kept spinning and
-slowed llama.cpp at random). Prefill is timed `--prefills` times after a warm-up and decode `--decodes` times
-(medians); the engines alternate `--repeats` times, each ratio is taken within a repeat and reported as the
-median over repeats with its spread. With no trained model it benchmarks a random model of the same tiny
-architecture (speed does not depend on the weights' values).
+Each engine lives in its own process (in one process torch's OpenMP workers kept spinning and slowed
+llama.cpp at random), started once and driven over a pipe, one call at a time, the two engines taking turns
+call by call (who goes first alternates). So each pair of timings is taken within milliseconds (prefill) or
+about two seconds (decode) of each other, and the load from other guests on this shared VM, which drifts
+over seconds to minutes, hits both sides of a ratio alike. (Fresh processes per repeat, tens of seconds
+apart, gave per-repeat prompt ratios from 0.67x to 1.01x within one run.) A prefill turn is a warm-up call
+and the median of a burst of 5 (right after the other engine ran, the first call finds its weights out of
+cache). Every round gives a ratio; the rounds form `--repeats` consecutive groups, whose medians are reported
+with their spread. A second llama.cpp process takes its turn in every round too: llama.cpp against itself
+(A/A) is the noise floor of the measurement on this machine, reported next to each ratio. With no trained
+model it benchmarks a random model of the same tiny architecture (speed does not depend on the weights).
 Writes bench/results/inference.json and .md.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -36,6 +41,11 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_stats import Steal, fmt_ratio, pct, ratio_stats  # noqa: E402
 
+# worker reply key -> metric suffix: wall-clock time, and the worker's CPU time (its one thread), which leaves
+# out what the hypervisor stole
+CLOCKS = {"seconds": "tokens_per_s", "cpu_seconds": "tokens_per_cpu_s"}
+METRICS = [f"{w}_{m}" for m in CLOCKS.values() for w in ("prompt", "decode")]
+PREFILL_BURST = 5  # timed prefills per turn (after one warm-up); the turn reports their median
 LABELS = {"hf": "transformers generate (fp32)", "gguf": "llama-cpp-python Q8_0"}
 
 
@@ -50,76 +60,150 @@ def random_tiny_model(out: Path) -> Path:
     return out
 
 
-def hf_speed(model_dir: Path, prompt_ids: list[int], n_new: int, prefills: int, decodes: int, threads: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
+class HFEngine:
+    def __init__(self, model_dir: Path, prompt_ids: list[int], n_new: int, threads: int):
+        import torch
+        from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt_ids])
+        torch.set_num_threads(threads)
+        self.torch, self.n_new = torch, n_new
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        self.ids = torch.tensor([prompt_ids])
+        self.info = {"threads": torch.get_num_threads()}
+        self._generate(4)  # warm-up: first-call costs
 
-    def generate(n):
-        model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    def _generate(self, n: int) -> tuple[float, float]:
+        t0 = _clock()
+        with self.torch.no_grad():
+            self.model.generate(input_ids=self.ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                pad_token_id=0)
+        return _since(t0)
 
-    with torch.no_grad():
-        generate(4)  # warm-up: first-call costs
+    def prefill(self) -> tuple[float, float]:
         # logits for the last position only, as generate() and llama.cpp compute them: full logits would
         # multiply the prompt by the 128k-row LM head, which dominates a tiny model's prefill
-        prefill = _median_time(lambda: model(input_ids=ids, logits_to_keep=1), prefills)
-        one, full = _median_time(lambda: generate(1), decodes), _median_time(lambda: generate(n_new), decodes)
-    # generate(n) = prefill + n - 1 decode steps (the first new token comes from the prefill's logits)
-    return {"prompt_tokens_per_s": len(prompt_ids) / prefill, "decode_tokens_per_s": (n_new - 1) / (full - one),
-            "threads": torch.get_num_threads()}
+        t0 = _clock()
+        with self.torch.no_grad():
+            self.model(input_ids=self.ids, logits_to_keep=1)
+        return _since(t0)
+
+    def decode(self) -> tuple[float, float]:
+        """Time of the n_new - 1 decode steps: generate(n) = prefill + (n - 1) steps, generate(1) = prefill."""
+        full, one = self._generate(self.n_new), self._generate(1)
+        return full[0] - one[0], full[1] - one[1]
+
+    def close(self) -> None:
+        pass
 
 
-def gguf_speed(gguf: Path, prompt_ids: list[int], n_new: int, prefills: int, decodes: int, threads: int) -> dict:
-    import llama_cpp
-    import numpy as np
+class GGUFEngine:
+    def __init__(self, gguf: Path, prompt_ids: list[int], n_new: int, threads: int):
+        import llama_cpp
 
-    llm = llama_cpp.Llama(str(gguf), n_ctx=len(prompt_ids) + n_new + 8, n_threads=threads,
-                          n_threads_batch=threads, verbose=False)
+        self.prompt_ids, self.n_new = prompt_ids, n_new
+        self.llm = llama_cpp.Llama(str(gguf), n_ctx=len(prompt_ids) + n_new + 8, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.info = {"threads": self.llm.n_threads, "threads_batch": self.llm.n_threads_batch}
+        self.prefill()  # warm-up
 
-    def prefill():
-        llm.reset()  # empty the KV cache so every prefill processes the whole prompt
-        llm.eval(prompt_ids)
+    def _prefill(self) -> None:
+        self.llm.reset()  # empty the KV cache so every prefill processes the whole prompt
+        self.llm.eval(self.prompt_ids)
 
-    def decode():
-        prefill()
-        t0 = time.perf_counter()
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        for _ in range(n_new - 1):
-            llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        return time.perf_counter() - t0
+    def prefill(self) -> tuple[float, float]:
+        t0 = _clock()
+        self._prefill()
+        return _since(t0)
 
+    def decode(self) -> tuple[float, float]:
+        import numpy as np
+
+        self._prefill()
+        t0 = _clock()
+        tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        for _ in range(self.n_new - 1):
+            self.llm.eval([tok])
+            tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        return _since(t0)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def _since(t0: tuple[float, float]) -> tuple[float, float]:
+    """(wall, CPU) seconds since t0."""
+    t = _clock()
+    return t[0] - t0[0], t[1] - t0[1]
+
+
+def serve(engine: str, path: Path, a) -> None:
+    """Worker: load the engine, say ready, then answer 'prefill' / 'decode' with one timing each until 'quit'."""
+    cls = HFEngine if engine == "hf" else GGUFEngine
+    e = cls(path, prompt_ids(a.prompt_tokens), a.new_tokens, a.threads)
+    print(json.dumps({"ready": True, **e.info}), flush=True)
     try:
-        prefill()  # warm-up
-        t = _median_time(prefill, prefills)
-        d = statistics.median(decode() for _ in range(decodes))
-        threads = {"threads": llm.n_threads, "threads_batch": llm.n_threads_batch}
+        for line in sys.stdin:
+            cmd = line.strip()
+            if cmd == "quit":
+                break
+            if cmd == "prefill":
+                # one prefill of a tiny model takes milliseconds and, right after the other engine ran, starts
+                # with its weights out of cache: a warm-up call, then the median of a short burst
+                e.prefill()
+                t = [e.prefill() for _ in range(PREFILL_BURST)]
+            else:
+                t = [e.decode()]
+            print(json.dumps({"seconds": [x[0] for x in t], "cpu_seconds": [x[1] for x in t]}), flush=True)
     finally:
-        llm.close()
-    return {"prompt_tokens_per_s": len(prompt_ids) / t, "decode_tokens_per_s": (n_new - 1) / d, **threads}
+        e.close()
 
 
-def _median_time(fn, k: int) -> float:
-    """Median of k timings: one prefill of a tiny model takes milliseconds, so a single timing is mostly jitter."""
-    times = []
-    for _ in range(k):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+class Worker:
+    def __init__(self, engine: str, path: Path, a, log: Path):
+        cmd = [sys.executable, __file__, "--worker", engine, "--path", str(path), "--prompt-tokens",
+               str(a.prompt_tokens), "--new-tokens", str(a.new_tokens), "--threads", str(a.threads)]
+        env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+        self.engine, self.log = engine, log
+        with open(log, "w") as err:  # a file, not a pipe: warnings must never block the worker
+            self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                      env=env)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            raise SystemExit(f"bench_inference: the {self.engine} worker died (exit {self.p.wait()}):\n"
+                             f"{self.log.read_text()[-3000:]}")
+        return json.loads(line)
+
+    def time(self, cmd: str) -> dict:
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.stdin.write("quit\n")
+            self.p.stdin.flush()
+        self.p.wait(timeout=60)
 
 
-def _in_fresh_process(engine: str, path: Path, a) -> dict:
-    cmd = [sys.executable, __file__, "--worker", engine, "--path", str(path), "--prompt-tokens", str(a.prompt_tokens),
-           "--new-tokens", str(a.new_tokens), "--prefills", str(a.prefills), "--decodes", str(a.decodes),
-           "--threads", str(a.threads)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"bench_inference: the {engine} worker failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])
+def paired(workers: dict, cmd: str, n: int) -> list[dict]:
+    """n rounds of timings, the engines taking turns call by call (who goes first rotates); a prefill turn is a
+    burst, reported as its median."""
+    out, names = [], list(workers)
+    for i in range(n):
+        order = names[i % len(names):] + names[:i % len(names)]
+        out.append({e: workers[e].time(cmd) for e in order})
+    return out
+
+
+def prompt_ids(n: int) -> list[int]:
+    return [128000] + [1000 + (i * 37) % 20000 for i in range(n - 1)]
 
 
 def main() -> None:
@@ -127,62 +211,85 @@ def main() -> None:
     ap.add_argument("--model", default=str(REPO / "runs/tiny/model"))
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--prefills", type=int, default=20, help="timed prefills per repeat (median)")
-    ap.add_argument("--decodes", type=int, default=5, help="timed decodes per repeat (median)")
+    ap.add_argument("--repeats", type=int, default=7, help="groups of pairs (ratio median and spread over groups)")
+    ap.add_argument("--prefills", type=int, default=10, help="prefill pairs per group (each turn a burst)")
+    ap.add_argument("--decodes", type=int, default=5, help="decode pairs per group")
     ap.add_argument("--threads", type=int, default=1, help="threads for both engines (see the module docstring)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results"), help="folder for inference.json/.md")
     ap.add_argument("--worker", choices=sorted(LABELS), help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    prompt = [128000] + [1000 + (i * 37) % 20000 for i in range(a.prompt_tokens - 1)]
     if a.worker:
-        fn = hf_speed if a.worker == "hf" else gguf_speed
-        print(json.dumps(fn(Path(a.path), prompt, a.new_tokens, a.prefills, a.decodes, a.threads)))
-        return
+        return serve(a.worker, Path(a.path), a)
     from zerotune.quantize import run_converter
 
+    calls = {"prompt": ("prefill", a.prefills, a.prompt_tokens), "decode": ("decode", a.decodes, a.new_tokens - 1)}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(a.model)
         if not (model_dir / "config.json").exists():
             model_dir = random_tiny_model(Path(tmp) / "model")
         gguf = Path(tmp) / "model-q8_0.gguf"
         run_converter(model_dir, "q8_0", gguf)
-        runs, steal = {"hf": [], "gguf": []}, []
-        for rep in range(a.repeats):  # alternate so load drift hits both
-            st = Steal()
-            runs["hf"].append(_in_fresh_process("hf", model_dir, a))
-            runs["gguf"].append(_in_fresh_process("gguf", gguf, a))
-            steal.append(st.fraction())
-            print(f"bench_inference: repeat {rep + 1}/{a.repeats}: " + ", ".join(
-                f"{m} {runs['gguf'][-1][m] / runs['hf'][-1][m]:.2f}x" for m in ("prompt_tokens_per_s",
-                                                                                "decode_tokens_per_s")), flush=True)
-    metrics = ("prompt_tokens_per_s", "decode_tokens_per_s")
-    med = {k: {m: statistics.median(r[m] for r in v) for m in metrics} for k, v in runs.items()}
-    ratio = {m: ratio_stats([g[m] / h[m] for h, g in zip(runs["hf"], runs["gguf"])]) for m in metrics}
+        # gguf_aa: a second llama.cpp process on the same file, for the A/A noise floor (llama.cpp vs itself)
+        workers = {e: Worker(e.removesuffix("_aa"), p, a, Path(tmp) / f"{e}.log")
+                   for e, p in (("hf", model_dir), ("gguf", gguf), ("gguf_aa", gguf))}
+        try:
+            groups = []
+            for rep in range(a.repeats):
+                st, g = Steal(), {}
+                for what, (cmd, n, tokens) in calls.items():
+                    rounds = paired(workers, cmd, n)
+                    for clock, m in CLOCKS.items():
+                        g[f"{what}_{m}"] = [{e: tokens / statistics.median(t[clock]) for e, t in r.items()}
+                                            for r in rounds]
+                g["steal"] = st.fraction()
+                groups.append(g)
+                print(f"bench_inference: group {rep + 1}/{a.repeats}: " + ", ".join(
+                    f"{m} {_group_ratio(g[m]):.2f}x (A/A {_group_ratio(g[m], 'gguf_aa'):.2f}x)" for m in METRICS),
+                    flush=True)
+        finally:
+            for w in workers.values():
+                w.close()
+    med = {e: {m: statistics.median(r[e] for g in groups for r in g[m]) for m in METRICS} for e in LABELS}
+    ratio = {m: ratio_stats([_group_ratio(g[m]) for g in groups]) for m in METRICS}
+    a_a = {m: ratio_stats([_group_ratio(g[m], "gguf_aa") for g in groups]) for m in METRICS}
+    steal = [g["steal"] for g in groups]
     res = {"model": str(model_dir), "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
-           "repeats": a.repeats, "prefills_per_repeat": a.prefills, "decodes_per_repeat": a.decodes,
-           "cpus": os.cpu_count(), "median": med, "ratio_gguf_over_hf": ratio, "runs": runs,
-           "cpu_steal_per_repeat": steal}
+           "repeats": a.repeats, "prefill_pairs_per_group": a.prefills, "prefill_burst": PREFILL_BURST,
+           "decode_pairs_per_group": a.decodes, "cpus": os.cpu_count(),
+           "threads": {e: w.info for e, w in workers.items()}, "median": med, "ratio_gguf_over_hf": ratio,
+           "a_a_gguf_over_gguf": a_a, "groups": groups, "cpu_steal_per_group": steal}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "inference.json").write_text(json.dumps(res, indent=2) + "\n")
-    hf_t, gg = runs["hf"][0]["threads"], runs["gguf"][0]
-    md = ["| engine | threads | prompt tok/s | decode tok/s |", "|---|---|---:|---:|",
-          f"| {LABELS['hf']} | {hf_t} | {med['hf']['prompt_tokens_per_s']:,.0f} | "
-          f"{med['hf']['decode_tokens_per_s']:,.0f} |",
-          f"| {LABELS['gguf']} | {gg['threads']} decode, {gg['threads_batch']} prompt | "
-          f"{med['gguf']['prompt_tokens_per_s']:,.0f} | {med['gguf']['decode_tokens_per_s']:,.0f} |",
-          f"| **ratio GGUF / HF** | | **{ratio['prompt_tokens_per_s']['median']:.2f}x** | "
-          f"**{ratio['decode_tokens_per_s']['median']:.2f}x** |",
+    hf_t, gg = res["threads"]["hf"]["threads"], res["threads"]["gguf"]
+
+    def row(label: str, threads: str, e: str) -> str:
+        return f"| {label} | {threads} | " + " | ".join(f"{med[e][m]:,.0f}" for m in METRICS) + " |"
+
+    md = ["| engine | threads | prompt tok/s | decode tok/s | prompt tok per CPU-s | decode tok per CPU-s |",
+          "|---|---|---:|---:|---:|---:|", row(LABELS["hf"], str(hf_t), "hf"),
+          row(LABELS["gguf"], f"{gg['threads']} decode, {gg['threads_batch']} prompt", "gguf"),
+          "| **ratio GGUF / HF** | | " + " | ".join(f"**{ratio[m]['median']:.2f}x**" for m in METRICS) + " |",
+          "| noise floor: llama.cpp / a second llama.cpp process (A/A) | | "
+          + " | ".join(f"{a_a[m]['median']:.2f}x" for m in METRICS) + " |",
           "", f"{a.prompt_tokens}-token prompt, {a.new_tokens} greedy new tokens, {a.threads} thread(s) per engine "
-          f"({os.cpu_count()} CPUs; see bench_inference.py on why). Per repeat each engine runs in a fresh process: prefill timed {a.prefills} times, decode "
-          f"{a.decodes} times (medians); {a.repeats} alternating repeats, ratio taken within each repeat:", ""]
-    md += [f"- {m.replace('_', ' ')}: {fmt_ratio(ratio[m])}" for m in metrics]
-    md += [f"- CPU steal per repeat (hypervisor, /proc/stat): "
-           + ", ".join(pct(x) for x in steal)]
+          f"({os.cpu_count()} CPUs; see bench_inference.py on why). Each engine in its own process, the engines taking "
+          f"turns call by call: {a.repeats} groups of {a.prefills} prefill rounds (each turn a warm-up and the median "
+          f"of {PREFILL_BURST} prefills) and {a.decodes} decode rounds; a group's ratio is the median of its rounds' "
+          "ratios. Per CPU-second: the engine's CPU time (one thread), which leaves out the time the hypervisor gave "
+          "to other guests; the stable measure on this shared VM (its A/A floor is much tighter than wall-clock's):",
+          ""]
+    md += [f"- {m.replace('_', ' ')}: {fmt_ratio(ratio[m], 'groups')}; A/A {fmt_ratio(a_a[m], 'groups')}"
+           for m in METRICS]
+    md += ["- CPU steal per group (hypervisor, /proc/stat): " + ", ".join(pct(x) for x in steal)]
     (out / "inference.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+
+
+def _group_ratio(rounds: list[dict], over: str = "hf") -> float:
+    """Median over a group's rounds of the GGUF engine's speed over `over`'s, both taken within the round."""
+    return statistics.median(r["gguf"] / r[over] for r in rounds)
 
 
 if __name__ == "__main__":

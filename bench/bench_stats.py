@@ -13,10 +13,10 @@ def ratio_stats(per_repeat: list[float]) -> dict:
             "spread": round((max(per_repeat) - min(per_repeat)) / med, 3)}
 
 
-def fmt_ratio(s: dict) -> str:
+def fmt_ratio(s: dict, unit: str = "repeats") -> str:
     """'3.05x (3.01-3.12x over 3 repeats, spread 3.4%)'."""
     lo, hi = min(s["per_repeat"]), max(s["per_repeat"])
-    return f"{s['median']:.2f}x ({lo:.2f}-{hi:.2f}x over {len(s['per_repeat'])} repeats, spread {s['spread']:.1%})"
+    return f"{s['median']:.2f}x ({lo:.2f}-{hi:.2f}x over {len(s['per_repeat'])} {unit}, spread {s['spread']:.1%})"
 
 
 def pct(x: float | None) -> str:

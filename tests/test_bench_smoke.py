@@ -44,8 +44,39 @@ def test_bench_inference_small(tmp_path):
     _run(["bench/bench_inference.py", "--model", str(tmp_path / "none"), "--prompt-tokens", "32", "--new-tokens",
           "8", "--repeats", "2", "--prefills", "2", "--decodes", "1", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "inference.json").read_text())
-    for engine in ("hf", "gguf"):
-        assert len(res["runs"][engine]) == 2
-        assert all(r["prompt_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in res["runs"][engine])
-    assert res["runs"]["hf"][0]["threads"] == 1 and res["runs"]["gguf"][0]["threads_batch"] == 1
+    assert len(res["groups"]) == 2
+    for g in res["groups"]:
+        for m in ("prompt_tokens_per_s", "decode_tokens_per_s"):
+            assert len(g[m]) == {"prompt_tokens_per_s": 2, "decode_tokens_per_s": 1}[m]
+            assert all(set(r) == {"hf", "gguf", "gguf_aa"} and min(r.values()) > 0 for r in g[m])
+    assert res["threads"]["hf"]["threads"] == 1 and res["threads"]["gguf"]["threads_batch"] == 1
+    assert len(res["a_a_gguf_over_gguf"]["prompt_tokens_per_s"]["per_repeat"]) == 2
     assert "ratio GGUF / HF" in (tmp_path / "inference.md").read_text()
+
+
+def test_history_compares_runs_of_the_same_settings_only(tmp_path):
+    import datetime
+
+    import report
+
+    def write(conversations: int, ratio: float) -> None:
+        (tmp_path / "data.json").write_text(json.dumps({
+            "conversations": conversations, "seq_len": 4096, "num_proc": 2, "repeats": 3,
+            "baseline": {"conversations": 100},
+            "ratio": {"wall_tokens_per_s": {"median": ratio}, "per_cpu_second": {"median": ratio / 2},
+                      "baseline_a_a": {"median": 1.0}}}))
+        (tmp_path / "train.json").write_text(json.dumps({"setup": {"steps": 5}, "ratio_vs_trainer_padded": {}}))
+        (tmp_path / "inference.json").write_text(json.dumps({"prompt_tokens": 256}))
+
+    write(1000, 9.0)  # other settings: listed, not counted
+    report.history(tmp_path)
+    write(2000, 6.0)
+    report.history(tmp_path)
+    write(2000, 6.6)
+    md = report.history(tmp_path)
+    assert report.history(tmp_path) == md  # the same results are not appended twice
+    rows = [x for x in md.splitlines() if x.startswith(f"| {datetime.date.today()}")]
+    assert len(rows) == 3 and "*" not in rows[0].split("|")[1] and all("*" in r.split("|")[1] for r in rows[1:])
+    spread = next(x for x in md.splitlines() if x.startswith("| **spread"))
+    assert "| 9.5% |" in spread  # data, wall: (6.6 - 6.0) / median(6.0, 6.6) = 9.5%, within 10%; 9.0 not counted
+    assert "the 2 run(s) marked" in md
