@@ -46,8 +46,8 @@ def test_bench_inference_small(tmp_path):
     res = json.loads((tmp_path / "inference.json").read_text())
     assert len(res["groups"]) == 2
     for g in res["groups"]:
-        for m in ("prompt_tokens_per_s", "decode_tokens_per_s"):
-            assert len(g[m]) == {"prompt_tokens_per_s": 2, "decode_tokens_per_s": 1}[m]
+        for m in ("prompt_tokens_per_s", "decode_tokens_per_s", "prompt_tokens_per_cpu_s", "decode_tokens_per_cpu_s"):
+            assert len(g[m]) == (2 if m.startswith("prompt") else 1)
             assert all(set(r) == {"hf", "gguf", "gguf_aa"} and min(r.values()) > 0 for r in g[m])
     assert res["threads"]["hf"]["threads"] == 1 and res["threads"]["gguf"]["threads_batch"] == 1
     assert len(res["a_a_gguf_over_gguf"]["prompt_tokens_per_s"]["per_repeat"]) == 2
@@ -80,3 +80,6 @@ def test_history_compares_runs_of_the_same_settings_only(tmp_path):
     spread = next(x for x in md.splitlines() if x.startswith("| **spread"))
     assert "| 9.5% |" in spread  # data, wall: (6.6 - 6.0) / median(6.0, 6.6) = 9.5%, within 10%; 9.0 not counted
     assert "the 2 run(s) marked" in md
+    write(2000, 7.5)
+    spread = next(x for x in report.history(tmp_path).splitlines() if x.startswith("| **spread"))
+    assert "| 22.7% (over) |" in spread  # (7.5 - 6.0) / median 6.6
