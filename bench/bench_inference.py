@@ -141,7 +141,8 @@ def _since(t0: tuple[float, float]) -> tuple[float, float]:
 
 
 def serve(engine: str, path: Path, a) -> None:
-    """Worker: load the engine, say ready, then answer 'prefill' / 'decode' with one timing each until 'quit'."""
+    """Worker: load the engine, say ready, then answer 'prefill' (a burst) / 'decode' (one) with their (wall, CPU)
+    timings until 'quit'."""
     cls = HFEngine if engine == "hf" else GGUFEngine
     e = cls(path, prompt_ids(a.prompt_tokens), a.new_tokens, a.threads)
     print(json.dumps({"ready": True, **e.info}), flush=True)
@@ -155,8 +156,10 @@ def serve(engine: str, path: Path, a) -> None:
                 # with its weights out of cache: a warm-up call, then the median of a short burst
                 e.prefill()
                 t = [e.prefill() for _ in range(PREFILL_BURST)]
-            else:
+            elif cmd == "decode":
                 t = [e.decode()]
+            else:
+                raise SystemExit(f"bench_inference worker: unknown command {cmd!r} (prefill, decode or quit)")
             print(json.dumps({"seconds": [x[0] for x in t], "cpu_seconds": [x[1] for x in t]}), flush=True)
     finally:
         e.close()
@@ -194,7 +197,7 @@ class Worker:
 
 def paired(workers: dict, cmd: str, n: int) -> list[dict]:
     """n rounds of timings, the engines taking turns call by call (who goes first rotates); a prefill turn is a
-    burst, reported as its median."""
+    burst of PREFILL_BURST timings."""
     out, names = [], list(workers)
     for i in range(n):
         order = names[i % len(names):] + names[:i % len(names)]
