@@ -90,7 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=30_000, help="conversations")
     ap.add_argument("--baseline-n", type=int, default=2_000, help="conversations for the baseline loop")
-    ap.add_argument("--repeats", type=int, default=3, help="alternating prepare/baseline pairs")
+    ap.add_argument("--repeats", type=int, default=3, help="prepares, each bracketed by baseline slices")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "data"))
@@ -141,7 +141,8 @@ def main() -> None:
                          "wall": (doc_tokens / prep_s) / (base_tokens / b_wall),
                          "per_cpu_second": (b_cpu / base_tokens) / (prep_cpu / doc_tokens),
                          "baseline_a_a": b_prev["wall_s"] / b_next["wall_s"],
-                         "steal_prepare": prep_steal, "steal_baseline": max(b_prev["steal"] or 0, b_next["steal"] or 0)})
+                         "steal_prepare": prep_steal,
+                         "steal_baseline": max(b_prev["steal"] or 0, b_next["steal"] or 0)})
             b_prev = b_next
             print(f"bench_data: repeat {rep + 1}/{args.repeats}: prepare {prep_s:.1f} s ({prep_cpu:.1f} CPU-s), "
                   f"baseline {b_wall:.1f} s ({b_cpu:.1f} CPU-s, mean of the slices before and after): "
@@ -191,7 +192,8 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     p, b = res["prepare"], res["baseline"]
     rows = "\n".join(f"| {i + 1} | {x['prepare_wall_s']} | {x['prepare_cpu_s']} | {x['baseline_wall_s']} | "
-                     f"{x['baseline_cpu_s']} | {x['wall']:.2f}x | {x['per_cpu_second']:.2f}x | {x['baseline_a_a']:.2f}x | "
+                     f"{x['baseline_cpu_s']} | {x['wall']:.2f}x | {x['per_cpu_second']:.2f}x | "
+                     f"{x['baseline_a_a']:.2f}x | "
                      f"{pct(x['steal_prepare'])} / {pct(x['steal_baseline'])} |"
                      for i, x in enumerate(runs))
     md = f"""# Data preparation benchmark

@@ -10,8 +10,8 @@ target the GPU does this work; these CPU figures are context, not a T4 predictio
 
 HF prefill is timed with logits for the last position only (as generate() and llama.cpp compute them).
 Each engine lives in its own process (in one process torch's OpenMP workers kept spinning and slowed
-llama.cpp at random), started once and driven over a pipe, one call at a time, the two engines taking turns
-call by call (who goes first alternates). So each pair of timings is taken within milliseconds (prefill) or
+llama.cpp at random), started once and driven over a pipe, one call at a time, the engines taking turns
+call by call (who goes first rotates). So each pair of timings is taken within milliseconds (prefill) or
 about two seconds (decode) of each other, and the load from other guests on this shared VM, which drifts
 over seconds to minutes, hits both sides of a ratio alike. (Fresh processes per repeat, tens of seconds
 apart, gave per-repeat prompt ratios from 0.67x to 1.01x within one run.) A prefill turn is a warm-up call
