@@ -49,23 +49,39 @@ def load_heldout(r: Recipe) -> list[dict]:
     return rows
 
 
-def hf_answers(model_dir: Path, rows: list[dict], max_new_tokens: int) -> list[str]:
+def load_hf(model_dir: Path):
+    """(model, tokenizer, stop ids) for greedy chat answers: generation stops where the chat template ends an
+    assistant turn (<|eot_id|> for Llama 3, <|im_end|> for ChatML) and at every HF end token."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_checks import hf_end_tokens
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
-    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    ends = hf_end_tokens(tok, model_dir)
+    stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
+    return model, tok, stop
+
+
+def hf_generate(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int) -> list[str]:
+    import torch
+
     out = []
     with torch.no_grad():
         for row in rows:
             enc = tok.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
                                           return_dict=True)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eot,
-                                 pad_token_id=eot)
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
+                                 pad_token_id=stop[0], temperature=None, top_p=None, top_k=None)
             out.append(tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
     return out
+
+
+def hf_answers(model_dir: Path, rows: list[dict], max_new_tokens: int) -> list[str]:
+    model, tok, stop = load_hf(model_dir)
+    return hf_generate(model, tok, stop, rows, max_new_tokens)
 
 
 def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True, n_gpu_layers: int = 0):
@@ -259,7 +275,7 @@ def _print_table(res: dict) -> None:
         f"check: {res['gguf']} ({res['type']})",
         f"  accuracy on {res['n_prompts']} held-out prompts: base {res['base_accuracy']:.3f} | "
         f"HF {res['hf_accuracy']:.3f} | GGUF {res['gguf_accuracy']:.3f} "
-        f"(GGUF stopped at <|eot_id|> on {res['gguf_stopped_at_end_of_turn']:.0%})",
+        f"(GGUF stopped at its end-of-turn token on {res['gguf_stopped_at_end_of_turn']:.0%})",
         f"  HF vs GGUF on {a['positions']} held-out positions: mean KL {kl} nats/token "
         f"(gate {res['gates']['max_kl']}), top-1 agreement {a['top1_gated']:.4f} on {a['label_positions']} assistant "
         f"positions (gate {res['gates']['min_top1']}; {a['top1_agreement']:.4f} over all), "
