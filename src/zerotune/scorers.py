@@ -1,0 +1,125 @@
+"""Scorers: how one model answer is compared with one held-out row's reference. One table, `SCORERS`.
+
+A held-out row is `{"messages": [chat prompt], "answer": "reference"}` (+ optional `"pattern"` for `regex`).
+Every scorer returns a float in [0, 1]; they are all 0/1 today, the range leaves room for partial credit.
+`config.py` derives the recipe's allowed `eval.sets[].scorer` names from this table, so a new scorer needs
+no second edit there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import string
+from typing import Callable
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans("", "", string.punctuation)
+# Signed integers, decimals, exponents and thousands separators ("1,234.5"); the separators are dropped.
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def normalize(text: str) -> str:
+    """SQuAD-style: lower case, punctuation and the articles a/an/the removed, whitespace collapsed."""
+    text = _ARTICLES.sub(" ", text.lower().translate(_PUNCT))
+    return " ".join(text.split())
+
+
+def _numbers(text: str) -> list[float]:
+    out = []
+    for m in _NUMBER.finditer(text):
+        s = m.group(0).replace(",", "")
+        if any(c.isdigit() for c in s):
+            try:
+                out.append(float(s))
+            except ValueError:  # a lone exponent fragment such as "e5"
+                pass
+    return out
+
+
+def _json(text: str):
+    """The parsed JSON value, or a sentinel when it does not parse. A ```json fence around it is allowed:
+    chat models add one unprompted, and the content is what the task asks for."""
+    s = text.strip()
+    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", s, re.S)
+    if fence:
+        s = fence.group(1)
+    try:
+        return json.loads(s)
+    except (ValueError, TypeError):
+        return _INVALID
+
+
+_INVALID = object()
+
+
+def exact(prediction: str, row: dict) -> float:
+    return float(prediction.strip() == str(row["answer"]).strip())
+
+
+def normalized(prediction: str, row: dict) -> float:
+    return float(normalize(prediction) == normalize(str(row["answer"])))
+
+
+def contains(prediction: str, row: dict) -> float:
+    ref = normalize(str(row["answer"]))
+    # Whole-word containment: "4" must not hit "14", "cat" must not hit "concatenate".
+    return float(bool(ref) and f" {ref} " in f" {normalize(prediction)} ")
+
+
+def regex(prediction: str, row: dict) -> float:
+    pattern = row.get("pattern")
+    if not pattern:
+        raise ValueError("scorer 'regex' needs a pattern: set eval.sets[].pattern in the recipe or a per-row "
+                         "'pattern' in the JSONL (group 1 is the extracted answer).")
+    m = re.search(pattern, prediction, re.S)
+    if m is None:
+        return 0.0
+    got = m.group(1) if m.re.groups >= 1 else m.group(0)
+    return float(got is not None and normalize(got) == normalize(str(row["answer"])))
+
+
+def numeric(prediction: str, row: dict) -> float:
+    got, ref = _numbers(prediction), _numbers(str(row["answer"]))
+    if not got or not ref:
+        return 0.0
+    a, b = got[-1], ref[-1]  # the last number: chain-of-thought answers end with the result
+    return float(math.isclose(a, b, rel_tol=1e-6, abs_tol=0.0 if b else 1e-12))
+
+
+def json_valid(prediction: str, row: dict) -> float:
+    return float(_json(prediction) is not _INVALID)
+
+
+def json_fields(prediction: str, row: dict) -> float:
+    got, ref = _json(prediction), _json(str(row["answer"]))
+    if not isinstance(ref, dict):
+        raise ValueError(f"scorer 'json_fields' needs each answer to be a JSON object; got {row['answer']!r}.")
+    if not isinstance(got, dict):
+        return 0.0
+    return float(all(k in got and got[k] == v for k, v in ref.items()))
+
+
+SCORERS: dict[str, Callable[[str, dict], float]] = {
+    "exact": exact,
+    "normalized": normalized,
+    "contains": contains,
+    "regex": regex,
+    "numeric": numeric,
+    "json_valid": json_valid,
+    "json_fields": json_fields,
+}
+
+
+def score(scorer: str, prediction: str, row: dict, pattern: str | None = None) -> float:
+    """Score one prediction against one row. `pattern` is the set's regex; a row's own `pattern` wins."""
+    if scorer not in SCORERS:
+        raise ValueError(f"unknown scorer {scorer!r}; choose one of {', '.join(SCORERS)}.")
+    if pattern is not None and "pattern" not in row:
+        row = {**row, "pattern": pattern}
+    return SCORERS[scorer](prediction, row)
+
+
+def mean_score(scorer: str, predictions: list[str], rows: list[dict], pattern: str | None = None) -> float:
+    return sum(score(scorer, p, r, pattern) for p, r in zip(predictions, rows)) / max(1, len(rows))

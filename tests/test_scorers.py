@@ -1,0 +1,64 @@
+"""Every scorer: one hit and one near-miss (an answer a sloppier scorer would accept)."""
+
+import pytest
+
+from zerotune.scorers import SCORERS, mean_score, normalize, score
+
+CASES = {
+    # scorer: (row, hit, near-miss)
+    "exact": ({"answer": "Paris"}, "  Paris\n", "paris"),
+    "normalized": ({"answer": "The Eiffel Tower"}, "eiffel  tower!", "Eiffel Towers"),
+    "contains": ({"answer": "Paris"}, "The capital of France is Paris.", "Parisian food is good."),
+    "regex": ({"answer": "42", "pattern": r"Answer:\s*(\S+)"}, "so... Answer: 42.", "42 is it. Answer: 24"),
+    "numeric": ({"answer": "1234.5"}, "first 7, then the total is 1,234.5", "1234.5 then 1234.6"),
+    "json_valid": ({"answer": "{}"}, '```json\n{"a": [1, 2]}\n```', "{'a': 1}"),
+    "json_fields": ({"answer": '{"name": "Ada", "age": 36}'}, '{"age": 36, "name": "Ada", "x": 1}',
+                    '{"name": "Ada", "age": "36"}'),
+}
+
+
+def test_every_scorer_has_a_case():
+    assert set(CASES) == set(SCORERS)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hit_and_near_miss(name):
+    row, hit, miss = CASES[name]
+    assert score(name, hit, row) == 1.0
+    assert score(name, miss, row) == 0.0
+
+
+def test_normalize():
+    assert normalize("  The  Cat, an   owl!  ") == "cat owl"
+
+
+def test_contains_is_whole_word():
+    assert score("contains", "14", {"answer": "4"}) == 0.0
+    assert score("contains", "it is 4.", {"answer": "4"}) == 1.0
+
+
+def test_numeric_tolerance_is_relative():
+    assert score("numeric", "1000000.0005", {"answer": "1e6"}) == 1.0
+    assert score("numeric", "1000002", {"answer": "1e6"}) == 0.0
+    assert score("numeric", "no number", {"answer": "3"}) == 0.0
+
+
+def test_regex_set_pattern_and_row_override():
+    row = {"answer": "b"}
+    assert score("regex", "x=b", row, pattern=r"x=(\w)") == 1.0
+    assert score("regex", "y=b", {**row, "pattern": r"y=(\w)"}, pattern=r"x=(\w)") == 1.0
+    with pytest.raises(ValueError, match="pattern"):
+        score("regex", "x=b", row)
+
+
+def test_json_fields_needs_object_answer():
+    with pytest.raises(ValueError, match="JSON object"):
+        score("json_fields", "{}", {"answer": "[1]"})
+    assert score("json_fields", "[1]", {"answer": '{"a": 1}'}) == 0.0
+
+
+def test_unknown_scorer_and_mean():
+    with pytest.raises(ValueError, match="unknown scorer"):
+        score("bleu", "a", {"answer": "a"})
+    rows = [{"answer": "a"}, {"answer": "b"}]
+    assert mean_score("exact", ["a", "c"], rows) == 0.5
