@@ -1,0 +1,105 @@
+"""Errors the user can fix: one message on stderr, exit code 2, no traceback.
+
+Every stage raises a `UserError` (or a subclass: RecipeError, PlanError, BadSample, StaleDataError,
+GGUFCheckError, ...) when the cause is in the user's hands: the recipe, the data, a stage not run
+yet, a missing model or tokenizer, a damaged GGUF, a plan that does not fit. The message says what
+is wrong, where (file, line, key) and how to fix it; `cli.main` prints it once and exits 2.
+Anything else is a bug or an environment failure and keeps its traceback. ZEROTUNE_DEBUG=1 prints
+the traceback of a user error too.
+
+Under torchrun every rank may hit the same error: local rank 0 prints it and hands it to the
+launcher in `runs/<r>/train/error.json` (other ranks write `error.rank<N>.json` silently), and
+`torchrun()` below keeps torchrun's own failure report (a ChildFailedError traceback and a table
+per run) off the terminal when a handoff exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+EXIT_CODE = 2
+HANDOFF = "error.json"
+
+
+class UserError(Exception):
+    """A problem the user can fix; the message names what, where and the fix."""
+
+
+class MissingInputError(UserError, FileNotFoundError):
+    """A file a stage needs is missing: an earlier stage was not run, or `make setup` was not."""
+
+
+def debug() -> bool:
+    return os.environ.get("ZEROTUNE_DEBUG", "") not in ("", "0")
+
+
+def report(e: BaseException) -> int:
+    if debug():
+        traceback.print_exception(e)
+    print(f"zerotune: {e}", file=sys.stderr, flush=True)
+    return EXIT_CODE
+
+
+def hand_off(train_dir: Path, e: BaseException) -> int:
+    """A worker's user error: local rank 0 prints it and writes the handoff; other ranks only write theirs."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    name = HANDOFF if local == 0 else f"error.rank{os.environ.get('RANK', local)}.json"
+    train_dir.mkdir(parents=True, exist_ok=True)
+    tmp = train_dir / f".{name}.{os.getpid()}"
+    tmp.write_text(json.dumps({"message": str(e), "type": type(e).__name__, "rank": os.environ.get("RANK"),
+                               "printed": local == 0}))
+    os.replace(tmp, train_dir / name)  # the launcher never reads a half-written file
+    if local == 0:
+        return report(e)
+    if debug():
+        traceback.print_exception(e)
+    return EXIT_CODE
+
+
+def clear_handoffs(train_dir: Path) -> None:
+    for f in list(train_dir.glob("error.json")) + list(train_dir.glob("error.rank*.json")):
+        f.unlink(missing_ok=True)
+
+
+def read_handoff(train_dir: Path) -> dict | None:
+    """The user error a worker handed off, if any (rank 0's first)."""
+    files = sorted(train_dir.glob("error.rank*.json"), key=lambda f: int(f.stem.split("rank")[1]))
+    for f in [train_dir / HANDOFF, *files]:
+        try:
+            return json.loads(f.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+    return None
+
+
+def torchrun(argv: list[str]) -> None:
+    """`python -m torch.distributed.run` that stays quiet when the workers failed on a user error.
+
+    argv: the train directory (where the handoff lands), then torchrun's arguments. On a ChildFailedError
+    with a handoff, torchrun's failure logging and traceback are dropped and the exit code is 2; without one
+    (a crash, a signal, a bug) everything torchrun prints is kept.
+    """
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    train_dir = Path(argv[0])
+
+    def no_handoff(_record) -> bool:
+        return read_handoff(train_dir) is None
+
+    # Filter on the handlers: a filter on a logger does not see its children's records.
+    for h in logging.getLogger().handlers + logging.getLogger("torch.distributed.elastic").handlers:
+        h.addFilter(no_handoff)
+    logging.lastResort.addFilter(no_handoff)
+    try:
+        main(argv[1:])
+    except ChildFailedError:
+        if read_handoff(train_dir) is not None:
+            sys.exit(EXIT_CODE)
+        raise

@@ -1,0 +1,72 @@
+"""Known harmless third-party output, silenced at its source, one entry at a time.
+
+Each entry names the logger or warning it drops (by message, never by level alone) and why it is
+harmless here; anything not listed still reaches the log. `silence_known_noise()` runs at the start
+of every zerotune process (cli.main), before the libraries are imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import sys
+import warnings
+
+# (logger name, text the message contains, why it is harmless)
+LOG_LINES = [
+    ("DeepSpeed", "Setting accelerator to CPU.",
+     "printed by every process that imports deepspeed on a machine without a GPU; zerotune detects the "
+     "hardware itself and says what it chose"),
+    ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community",
+     "an optional kernel from the hub; bitsandbytes uses its built-in CPU path"),
+]
+
+# (message regex, category, module regex of the caller the warning is attributed to, why)
+WARNINGS = [
+    (r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning, r"torch\.distributed\.c10d_logger",
+     "DeepSpeed 0.19 calls this torch API on every ZeRO-3 parameter gather: hundreds of identical lines per run"),
+]
+
+
+class _Drop(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def drop_log(logger: str, text: str) -> None:
+    """Drop one message of one logger (a filter on the logger: records it emits itself, not its children's)."""
+    log = logging.getLogger(logger)
+    if not any(isinstance(f, _Drop) and f.text == text for f in log.filters):
+        log.addFilter(_Drop(text))
+
+
+def silence_known_noise() -> None:
+    for logger, text, _why in LOG_LINES:
+        drop_log(logger, text)
+    for message, category, module, _why in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    if not sys.stderr.isatty():
+        # transformers' and the hub's progress bars (e.g. "Writing model shards") are carriage-return
+        # animations: in a log file they are one garbled line per save. zerotune's own bars follow the same rule.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+@contextlib.contextmanager
+def drop_stdout_lines(prefix: str):
+    """Run a block with stdout captured, then print every captured line except those starting with `prefix`
+    (for libraries that print() instead of logging)."""
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            yield
+    finally:
+        kept = [x for x in buf.getvalue().splitlines(keepends=True) if not x.startswith(prefix)]
+        if kept:
+            sys.stdout.write("".join(kept))
+            sys.stdout.flush()

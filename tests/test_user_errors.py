@@ -1,0 +1,175 @@
+"""User errors end with one message on stderr (what, where, how to fix), exit code 2 and no traceback.
+
+Most cases call `cli.main` in-process (what `python -m zerotune` runs, minus the interpreter start); the
+subprocess cases check the real entry point, and the torchrun case that a worker's error is reported once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from zerotune.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+MSG = [{"role": "user", "content": "Repeat after me: red cat"}, {"role": "assistant", "content": "You said: red cat"}]
+
+
+def good(i: int) -> bytes:
+    return (json.dumps({"messages": [{"role": "user", "content": f"Repeat {i}: red cat"},
+                                     {"role": "assistant", "content": f"You said {i}: red cat"}]}) + "\n").encode()
+
+
+def line(obj) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
+
+
+# (file content, what the message must say) for the malformed files a newcomer brings; the bad row is line 2
+BAD_FILES = {
+    "empty": (b"", "no rows (the file is empty)"),
+    "truncated_json": (good(0) + b'{"messages": [{"role": "user", "content": "a"}\n', "line 2: malformed JSON"),
+    "not_utf8": (good(0) + '{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'.encode("latin-1"),
+                 "line 2: not valid UTF-8"),
+    "wrong_field": (good(0) + line({"conversations": MSG}), "line 2: missing field 'messages'"),
+    "messages_not_list": (good(0) + line({"messages": {"role": "user", "content": "a"}}),
+                          "line 2: 'messages' must be a non-empty list"),
+    "unknown_role": (good(0) + line({"messages": [{"role": "human", "content": "a"}, MSG[1]]}),
+                     "line 2: message 0 has unknown role 'human'"),
+    "empty_content": (good(0) + line({"messages": [{"role": "user", "content": " "}, MSG[1]]}),
+                      "line 2: message 0 (user) content is empty"),
+    "no_assistant": (good(0) + line({"messages": MSG[:1]}), "line 2: conversation has no assistant turn"),
+}
+
+
+def write_recipe(tmp_path: Path, data: dict | None = None, **sections) -> Path:
+    raw = {"name": "t", "output_dir": str(tmp_path / "run"),
+           "model": {"init_config": "configs/models/tiny_llama31.json",
+                     "tokenizer": str(REPO / "assets" / "tokenizer" / "llama3_1")},
+           "data": {"seq_len": 64, **(data or {})}, **sections}
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def run_main(capfd, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capfd.readouterr()
+    return rc, out, err
+
+
+def assert_one_message(rc: int, err: str, *needles: str) -> str:
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zerotune: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_malformed_data_file_is_one_message(tmp_path, capfd, tokenizer_dir, case):
+    content, needle = BAD_FILES[case]
+    f = tmp_path / f"{case}.jsonl"
+    f.write_bytes(content)
+    rc, _, err = run_main(capfd, "prepare", str(write_recipe(tmp_path, {"sources": [{"path": str(f)}]})))
+    msg = assert_one_message(rc, err, str(f), needle)
+    if case != "empty":
+        assert "Fix:" in msg and "on_bad_sample: skip" in msg
+
+
+def test_overlong_sample_is_truncated_and_counted_or_named_when_nothing_is_left(tmp_path, capfd, tokenizer_dir):
+    f = tmp_path / "long.jsonl"
+    f.write_bytes(line({"messages": [MSG[0], {"role": "assistant", "content": "word " * 200}]}))
+    recipe = str(write_recipe(tmp_path, {"sources": [{"path": str(f)}]}))
+    rc, out, err = run_main(capfd, "prepare", recipe)
+    assert rc == 0 and "1 truncated" in out, out + err
+    rc, _, err = run_main(capfd, "prepare", recipe, "data.overlong=drop")
+    assert_one_message(rc, err, str(f), "1 over-long documents dropped", "data.overlong")
+
+
+def test_unknown_recipe_key_names_file_and_key(tmp_path, capfd):
+    path = write_recipe(tmp_path, train={"lrr": 1e-4})
+    rc, _, err = run_main(capfd, "plan", str(path))
+    assert_one_message(rc, err, str(path), "train", "unknown key 'lrr'", "Did you mean 'lr'")
+
+
+def test_quantize_without_a_trained_model(tmp_path, capfd):
+    rc, _, err = run_main(capfd, "quantize", "tiny", f"output_dir={tmp_path}")
+    assert_one_message(rc, err, str(tmp_path / "model"), "make finetune RECIPE=tiny")
+
+
+def test_check_without_a_trained_model(tmp_path, capfd):
+    rc, _, err = run_main(capfd, "check", "tiny", f"output_dir={tmp_path}")
+    assert_one_message(rc, err, str(tmp_path / "model"), "make finetune RECIPE=tiny")
+
+
+def test_check_of_a_corrupt_gguf_names_the_file(tmp_path, capfd):
+    (tmp_path / "model").mkdir()
+    gguf = tmp_path / "gguf" / "tiny-q8_0.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)  # a header cut short
+    rc, _, err = run_main(capfd, "check", "tiny", f"output_dir={tmp_path}")
+    assert_one_message(rc, err, str(gguf), "not a readable GGUF")
+
+
+def test_serve_without_a_gguf(tmp_path, capfd):
+    rc, _, err = run_main(capfd, "serve", "tiny", f"output_dir={tmp_path}")
+    assert_one_message(rc, err, str(tmp_path / "gguf"), "make quantize RECIPE=tiny")
+
+
+def test_plan_that_does_not_fit_is_a_user_error(tmp_path, capfd):
+    rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path}", "plan.gpu=v101")
+    assert_one_message(rc, err, "plan.gpu 'v101' unknown")
+
+
+def test_debug_shows_the_traceback(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("ZEROTUNE_DEBUG", "1")
+    rc, _, err = run_main(capfd, "quantize", "tiny", f"output_dir={tmp_path}")
+    assert rc == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("zerotune: ")
+
+
+# ---- the real entry point -----------------------------------------------------------------------------
+
+def zt(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerotune", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_train_without_prepared_data_is_one_message(tmp_path):
+    proc = zt("train", "tiny", f"output_dir={tmp_path}")
+    assert_one_message(proc.returncode, proc.stderr, f"no prepared data in {tmp_path / 'data'}",
+                       "make data RECIPE=tiny")
+    assert "launching" not in proc.stdout  # refused before torchrun starts
+
+
+def test_bad_override_from_the_command_line(tmp_path):
+    proc = zt("prepare", "tiny", f"output_dir={tmp_path}", "data.seq_lenn=64")
+    assert_one_message(proc.returncode, proc.stderr, "unknown key 'seq_lenn'", "Did you mean 'seq_len'")
+
+
+def test_plan_json_is_pure_json_on_stdout(tmp_path):
+    proc = zt("plan", "tiny", f"output_dir={tmp_path}", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["recipe"] == "tiny"
+    assert "Setting accelerator" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.integration
+def test_worker_user_error_under_torchrun_is_reported_once(tmp_path):
+    """The batch only fails once the world size is known, i.e. in every torchrun worker."""
+    prep = zt("prepare", "tiny", f"output_dir={tmp_path}")
+    assert prep.returncode == 0, prep.stderr[-2000:]
+    proc = zt("train", "tiny", f"output_dir={tmp_path}", "train.global_batch_tokens=1000", timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log[-3000:]
+    assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
+    assert log.count("global_batch_tokens") == 1 or log.count("zerotune: ") == 1, log[-3000:]
+    assert_one_message(2, proc.stderr, "1,000")
+    assert json.loads((tmp_path / "train" / "error.json").read_text())["type"] == "BatchError"
