@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import UserError
 
-class BatchError(ValueError):
+
+class BatchError(UserError, ValueError):
     pass
 
 

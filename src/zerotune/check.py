@@ -20,6 +20,7 @@ import numpy as np
 
 from . import manifest as mf
 from .config import Recipe, resolve_path
+from .errors import MissingInputError, UserError
 from .gguf_checks import CHAT_FORMAT
 from .quantize import gguf_path
 
@@ -38,13 +39,13 @@ T4_OVERHEAD_GIB = 0.6  # CUDA context + llama.cpp compute buffers (measured rang
 def load_heldout(r: Recipe) -> list[dict]:
     path = resolve_path(r.data.heldout)
     if path is None or not path.exists():
-        raise FileNotFoundError(f"data.heldout: {path} not found; check needs held-out prompts with reference answers.")
+        raise MissingInputError(f"data.heldout: {path} not found; check needs held-out prompts with reference answers.")
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             row = json.loads(line)
             if "messages" not in row or "answer" not in row:
-                raise ValueError(f"{path.name} line {i}: needs 'messages' (the prompt) and 'answer'.")
+                raise UserError(f"{path} line {i}: needs 'messages' (the prompt) and 'answer' (data.heldout).")
             rows.append(row)
     return rows
 
@@ -211,7 +212,9 @@ def check(r: Recipe) -> int:
     model_dir, gguf = final_model_dir(r), gguf_path(r)
     for p, what in ((model_dir, "finetune"), (gguf, "quantize")):
         if not p.exists():
-            raise FileNotFoundError(f"{p} not found. Run `make {what} RECIPE={r.name}` first.")
+            raise MissingInputError(f"{p} not found. Run `make {what} RECIPE={r.name}` first.")
+    from .gguf_checks import read_header
+    read_header(gguf)  # a damaged GGUF: GGUFCheckError naming the file, before minutes of HF answers
     qtype = r.quantize.type.lower()
     max_kl, min_top1 = GATES.get(qtype, (0.2, 0.85))
     max_kl = r.check.max_kl if r.check.max_kl is not None else max_kl

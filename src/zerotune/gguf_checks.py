@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
+
 PROBE_TEXTS = [
     "Hello world! How are you today?",
     "Repeat after me: red cat apple",
@@ -63,7 +65,7 @@ K_BLOCK = 256
 _ANSWER_MARK = "zerotune probe answer"
 
 
-class GGUFCheckError(RuntimeError):
+class GGUFCheckError(UserError, RuntimeError):
     pass
 
 

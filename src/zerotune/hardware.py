@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from .errors import UserError
 
-class CapabilityError(RuntimeError):
+
+class CapabilityError(UserError, RuntimeError):
     pass
 
 

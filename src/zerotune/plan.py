@@ -15,10 +15,11 @@ from . import batch as batchmod
 from . import ds_config, hardware
 from . import manifest as mf
 from .config import Recipe
+from .errors import UserError
 from .planner.memory import GiB, ModelConfigError, memory_breakdown, model_shape
 
 
-class PlanError(RuntimeError):
+class PlanError(UserError, RuntimeError):
     """The recipe is predicted not to fit its target; the message says why and what to change."""
 
 
@@ -302,11 +303,7 @@ def plot_memory(p: dict, path) -> None:
 
 
 def plan_main(r: Recipe, as_json: bool = False) -> int:
-    try:
-        p = compute_plan(r)
-    except (PlanError, hardware.CapabilityError) as e:
-        print(f"zerotune plan: {e}")
-        return 2
+    p = compute_plan(r)  # PlanError / CapabilityError: user errors, reported by cli.main
     out = r.out / "plan"
     plot_memory(p, out / "memory.png")
     mf.write(out / "plan.json", p)

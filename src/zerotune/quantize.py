@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import manifest as mf
 from .config import REPO_ROOT, Recipe
+from .errors import MissingInputError, UserError
 from .gguf_checks import inspect_gguf
 
 CONVERTER = REPO_ROOT / "assets" / "llama.cpp" / "convert_hf_to_gguf.py"
@@ -41,7 +42,7 @@ def source_model_dir(r: Recipe) -> Path:
 
 def run_converter(model_dir: Path, outtype: str, outfile: Path) -> None:
     if not CONVERTER.exists():
-        raise FileNotFoundError(f"{CONVERTER} not found. Run `make setup` (it unpacks llama.cpp's converter).")
+        raise MissingInputError(f"{CONVERTER} not found. Run `make setup` (it unpacks llama.cpp's converter).")
     cmd = [sys.executable, str(CONVERTER), str(model_dir), "--outtype", outtype, "--outfile", str(outfile)]
     print(f"quantize: {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -69,11 +70,11 @@ def run_quantizer(src: Path, dst: Path, qtype: str) -> None:
 def quantize(r: Recipe, model_dir: Path | None = None) -> dict:
     qtype = r.quantize.type.lower()
     if qtype not in CONVERTER_TYPES | set(QUANTIZER_TYPES):
-        raise ValueError(f"quantize.type '{qtype}' is not supported. Use one of "
+        raise UserError(f"quantize.type '{qtype}' is not supported. Use one of "
                          f"{sorted(CONVERTER_TYPES)} (converter) or {sorted(QUANTIZER_TYPES)} (quantizer).")
     model_dir = Path(model_dir or source_model_dir(r))
     if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"no trained model in {model_dir}. Run `make finetune RECIPE={r.name}` first.")
+        raise MissingInputError(f"no trained model in {model_dir} (no config.json). Run `make finetune RECIPE={r.name}` first.")
     out = gguf_path(r)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")

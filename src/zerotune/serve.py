@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from .config import Recipe
+from .errors import MissingInputError, UserError
 from .gguf_checks import CHAT_FORMAT, chat_template_of
 from .quantize import gguf_path
 
@@ -27,7 +28,7 @@ from .quantize import gguf_path
 REQUIRED_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
 
-class ServeError(RuntimeError):
+class ServeError(UserError, RuntimeError):
     pass
 
 
@@ -58,7 +59,7 @@ def build_app(r: Recipe, gguf: Path | None = None):
 
     gguf = Path(gguf or gguf_path(r))
     if not gguf.exists():
-        raise FileNotFoundError(f"{gguf} not found. Run `make quantize RECIPE={r.name}` first.")
+        raise MissingInputError(f"{gguf} not found. Run `make quantize RECIPE={r.name}` first.")
     require_chat_template(gguf)
     api_key = os.environ.get("ZEROTUNE_API_KEY") or r.serve.api_key
     server = ServerSettings(host=r.serve.host, port=r.serve.port, interrupt_requests=False, api_key=api_key)

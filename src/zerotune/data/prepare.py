@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from .. import manifest as mf
 from ..config import Recipe, resolve_path
+from ..errors import MissingInputError, UserError
 from .formats import to_messages
 from .packing import best_fit_decreasing, iter_packed
 from .sources import SKIP_HINT, BadSample, mixture, mixture_plan
@@ -42,7 +43,7 @@ CHUNK_ROWS = 256  # rows per tokenization task
 WRITE_TOKENS = 1 << 22  # tokens buffered before an Arrow record batch is written
 
 
-class StaleDataError(RuntimeError):
+class StaleDataError(UserError, RuntimeError):
     pass
 
 
@@ -60,14 +61,14 @@ def load_tokenizer(r: Recipe):
     path = resolve_path(r.model.tokenizer)
     src = str(path) if path is not None and path.exists() else r.model.tokenizer
     if path is not None and not path.exists() and r.model.tokenizer.startswith(("assets/", "/", ".")):
-        raise FileNotFoundError(f"tokenizer folder {path} not found. Run `make setup` (it fetches the Llama-3.1 tokenizer).")
+        raise MissingInputError(f"model.tokenizer: folder {path} not found. Run `make setup` (it fetches the Llama-3.1 tokenizer).")
     key = (src, tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in path.iterdir() if f.is_file()))
            if path is not None and path.is_dir() else None)
     if key in _TOKENIZERS:
         return _TOKENIZERS[key]
     tok = AutoTokenizer.from_pretrained(src)
     if not getattr(tok, "is_fast", False):
-        raise ValueError(f"tokenizer {src} has no fast (Rust) implementation; prepare needs character offsets. "
+        raise UserError(f"model.tokenizer: {src} has no fast (Rust) implementation; prepare needs character offsets. "
                          "Fix: provide a tokenizer.json.")
     if tok.pad_token_id is None:
         # Llama-3 has no pad token; padding is always label-masked, so any id works. Use the
@@ -402,7 +403,7 @@ def _histogram(lengths, seq_len: int, path: Path) -> None:
 
 def prepare(r: Recipe, force: bool = False, histogram: bool = True) -> dict:
     if not r.data.sources:
-        raise ValueError(f"recipe {r.name}: data.sources is empty; list at least one file or hub data set.")
+        raise UserError(f"recipe {r.name}: data.sources is empty; list at least one file or hub data set.")
     tok = load_tokenizer(r)
     if any(s.format != "text" for s in r.data.sources):
         require_chat_template(tok, r.model.tokenizer)
@@ -424,7 +425,7 @@ def prepare(r: Recipe, force: bool = False, histogram: bool = True) -> dict:
         t1 = time.perf_counter()
         lengths, n_labels = info.pop("lengths"), info.pop("n_labels")
         if len(lengths) == 0:
-            raise ValueError(f"recipe {r.name}: no usable samples after preparation ({info['counts']}).")
+            raise UserError(_nothing_usable(r, info))
         store = DocStore(work / "docs.arrow")
         train_idx, eval_idx = _split_eval(len(lengths), r.data.eval_fraction, r.data.seed)
         tr = _write_rows(store, train_idx, lengths, r, tok.pad_token_id, work, tmp / "train", "train")
@@ -468,6 +469,25 @@ def prepare(r: Recipe, force: bool = False, histogram: bool = True) -> dict:
           f"with no label tokens left) -> {tr['rows']} train / {ev['rows']} eval sequences of <= {r.data.seq_len} "
           f"tokens; {label_tokens:,} label tokens; packing efficiency {manifest['packing']['efficiency']}; wrote {out}")
     return manifest
+
+
+def _nothing_usable(r: Recipe, info: dict) -> str:
+    """Why no document survived, naming the sources, for the one-line error."""
+    empty = [s["path"] for s in info["sources"] if s["rows"] == 0]
+    if empty and len(empty) == len(info["sources"]):
+        return (f"data source {', '.join(empty)}: no rows (the file is empty). Fix: point data.sources at the "
+                f"file that holds the data, or fill it (recipe {r.name}).")
+    c = info["counts"]
+    why = [f"{c['bad_skipped']} bad rows skipped (on_bad_sample: skip; first: {info['bad_examples'][0]})"
+           if c["bad_skipped"] else "",
+           f"{c['dropped_overlong']} over-long documents dropped (data.overlong: drop, data.seq_len {r.data.seq_len})"
+           if c["dropped_overlong"] else "",
+           f"{c['dropped_no_labels']} documents lost every label token to truncation at data.seq_len {r.data.seq_len}"
+           if c["dropped_no_labels"] else ""]
+    srcs = ", ".join(s["path"] for s in info["sources"])
+    return (f"data source {srcs}: no usable samples after preparation ({c['rows_in']} rows read; "
+            f"{'; '.join(w for w in why if w) or 'nothing kept'}). Fix: repair the rows, raise data.seq_len or set "
+            "data.overlong: truncate.")
 
 
 def require_prepared(r: Recipe) -> dict:

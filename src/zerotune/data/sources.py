@@ -28,12 +28,13 @@ from typing import Iterator
 import numpy as np
 
 from ..config import SourceCfg, resolve_path
+from ..errors import UserError
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 SKIP_HINT = "Or set data.on_bad_sample: skip to drop such rows and count them in the manifest."
 
 
-class BadSample(ValueError):
+class BadSample(UserError, ValueError):
     """One row is unusable; `where` names the file and line or row, `fix` says what to do."""
 
     def __init__(self, where: str, reason: str, fix: str = ""):
@@ -44,7 +45,7 @@ class BadSample(ValueError):
         return (BadSample, (self.where, self.reason, self.fix))
 
 
-class SourceError(ValueError):
+class SourceError(UserError, ValueError):
     """A whole source is unusable (missing file, unsupported type, unreadable file)."""
 
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import UserError
 from .sources import BadSample
 
 IGNORE = -100
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     pass
 
 
