@@ -1,0 +1,218 @@
+"""Evaluation during training: validation loss on the prepared eval split, and greedy answers to a few held-out
+prompts, every `train.eval_steps` optimizer steps and at the last step.
+
+Runs inside the training workers on the Trainer's own model (never a second copy). Under ZeRO-3 every forward
+gathers parameters with collectives, so every rank must make the same calls: each rank takes a disjoint shard
+of the eval rows, shards are padded to equal length with a row whose labels are all -100 (it adds 0 NLL and 0
+tokens), and the summed NLL and label-token count are all-reduced. The loss is the model's own causal-LM loss
+in sum mode (labels shifted as HF shifts them), divided by the label-token count: the training loss's units.
+Generation: all ranks answer the same prompts with synced_gpus=True (a rank that finished keeps joining the
+gathers of the others).
+
+The result lands in the step's metrics.jsonl row as val_loss / val_ppl (one row per step, as resume and the
+tests expect), on stdout, in wandb when on; answers go to runs/<r>/train/samples.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from .config import Recipe
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _row_tensors(row: dict, device) -> dict:
+    import torch
+
+    return {k: torch.tensor([row[k]], dtype=torch.long, device=device) for k in ("input_ids", "labels", "position_ids")}
+
+
+def nll_sum(model, rows: list[dict], device) -> tuple[float, int]:
+    """(summed NLL over label tokens, label tokens) of `rows`, one forward per row, in the caller's mode
+    (eval + no_grad). A row whose labels are all -100 contributes nothing but still makes its forward call."""
+    import torch
+
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for row in rows:
+        batch = _row_tensors(row, device)
+        n = int((batch["labels"][..., 1:] != -100).sum())  # the tokens ForCausalLMLoss counts after its shift
+        # num_items_in_batch turns the model's own loss (HF's or Liger's) into a sum over label tokens
+        out = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1.0, device=device))
+        if n:
+            total += out.loss.detach().double().cpu()
+            count += n
+    return float(total), count
+
+
+def shard(n_rows: int, rank: int, world: int) -> list[int | None]:
+    """Row indices for `rank`: round-robin, padded with None so every rank makes ceil(n / world) calls."""
+    mine = list(range(rank, n_rows, world))
+    return mine + [None] * (math.ceil(n_rows / world) - len(mine))
+
+
+def distributed_val_loss(model, ds, device) -> tuple[float, int]:
+    """Mean NLL per label token over the whole eval split, computed across all ranks: (loss, label tokens)."""
+    import torch
+
+    d = _dist()
+    rank, world = (d.get_rank(), d.get_world_size()) if d else (0, 1)
+    dummy = {**ds[0], "labels": [-100] * len(ds[0]["labels"])}
+    rows = [ds[i] if i is not None else dummy for i in shard(len(ds), rank, world)]
+    total, count = nll_sum(model, rows, device)
+    t = torch.tensor([total, float(count)], dtype=torch.float64)
+    if d:
+        t = t.to(device)
+        d.all_reduce(t)
+    total, count = t.tolist()
+    return (total / count if count else float("nan")), int(count)
+
+
+class EvalDuringTraining(TrainerCallback):
+    """Validation loss + samples at every `train.eval_steps` and at the last step (see the module docstring)."""
+
+    def __init__(self, r: Recipe, step_metrics=None):
+        from .data.prepare import data_dir
+
+        self.r = r
+        self.every = r.train.eval_steps
+        self.step_metrics = step_metrics
+        self.eval_path = data_dir(r) / "eval"
+        self.samples_path = r.out / "train" / "samples.jsonl"
+        self._ds = None
+        self._prompts = None
+        self._rewound = False
+
+    # -- what and when ----------------------------------------------------------------------------------
+    def _due(self, state) -> bool:
+        return (self.every > 0 and state.global_step % self.every == 0) or state.global_step == state.max_steps
+
+    def on_step_begin(self, args, state, control, **kw):
+        if not self._rewound:  # first step of this attempt: state.global_step is the step resumed from
+            self._rewound = True
+            if state.is_world_process_zero:
+                _rewind(self.samples_path, state.global_step)
+
+    def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
+        if not self._due(state) or model is None:
+            return
+        t0 = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        try:
+            import torch
+
+            with torch.no_grad():
+                row = self._val_loss(model, args.device)
+                samples = self._samples(model, args.device, state.global_step)
+        finally:
+            model.train(was_training)
+        row["eval_s"] = round(time.perf_counter() - t0, 2)
+        control.should_log = True  # the step's metrics row is written now and carries val_loss
+        if state.is_world_process_zero:
+            self._report(state.global_step, row, samples)
+
+    # -- the two measurements -----------------------------------------------------------------------------
+    def _val_loss(self, model, device) -> dict:
+        if not self.eval_path.exists():
+            return {}
+        if self._ds is None:
+            from datasets import load_from_disk
+            self._ds = load_from_disk(str(self.eval_path))
+        if len(self._ds) == 0:
+            return {}
+        loss, tokens = distributed_val_loss(model, self._ds, device)
+        return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 700 else float("inf"), "val_tokens": tokens}
+
+    def _samples(self, model, device, step: int) -> list[dict]:
+        if self.r.eval.samples <= 0:
+            return []
+        if self._prompts is None:
+            self._prompts = _sample_prompts(self.r)
+        rows, es, tok, stop = self._prompts
+        if not rows:
+            return []
+        import torch
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        from .scorers import score
+
+        out = []
+        for row in rows:
+            enc = tok.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
+                                          return_dict=True)
+            enc = {k: v.to(device) for k, v in enc.items()}
+            gen = model.generate(**enc, max_new_tokens=es.max_new_tokens, do_sample=False, eos_token_id=stop,
+                                 pad_token_id=stop[0], temperature=None, top_p=None, top_k=None, use_cache=True,
+                                 synced_gpus=bool(_dist()) and is_deepspeed_zero3_enabled())
+            pred = tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+            out.append({"step": step, "set": es.name, "prompt": row["messages"][-1].get("content"),
+                        "reference": row["answer"], "prediction": pred,
+                        "score": score(es.scorer, pred, row, es.pattern)})
+            del gen
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        return out
+
+    # -- reporting (rank 0) ---------------------------------------------------------------------------------
+    def _report(self, step: int, row: dict, samples: list[dict]) -> None:
+        if self.step_metrics is not None and self.step_metrics.rows and self.step_metrics.rows[-1]["step"] == step:
+            self.step_metrics.rows[-1].update(row)  # written by StepMetrics.on_log right after this callback
+        parts = [f"step {step}"]
+        if "val_loss" in row:
+            parts.append(f"val_loss {row['val_loss']:.4f}, val_ppl {row['val_ppl']:.3g} "
+                         f"({row['val_tokens']:,} label tokens)")
+        if samples:
+            parts.append(f"samples {sum(s['score'] for s in samples):g}/{len(samples)} correct "
+                         f"({samples[0]['set']}); e.g. {samples[0]['prediction']!r}")
+        print(f"train: eval: {', '.join(parts)} [{row['eval_s']:.1f}s]", flush=True)
+        if samples:
+            self.samples_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.samples_path, "a") as f:
+                f.writelines(json.dumps(s) + "\n" for s in samples)
+        if self.r.train.report_to == "wandb":
+            import wandb
+
+            if wandb.run is not None:
+                logs = {f"eval/{k}": v for k, v in row.items()}
+                if samples:
+                    cols = ["step", "set", "prompt", "reference", "prediction", "score"]
+                    logs["eval/samples"] = wandb.Table(columns=cols, data=[[s[c] for c in cols] for s in samples])
+                wandb.log({**logs, "train/global_step": step})
+
+
+def _sample_prompts(r: Recipe):
+    """(rows, eval set, tokenizer, stop ids) for the in-training samples: the first eval set's first rows."""
+    from .data.prepare import load_tokenizer
+    from .evaluate import eval_sets, load_rows
+    from .gguf_checks import hf_end_tokens
+    from .train import base_model_dir
+
+    sets = eval_sets(r)
+    if not sets:
+        return [], None, None, None
+    es = sets[0]
+    rows = load_rows(es)[: r.eval.samples]
+    tok = load_tokenizer(r)
+    ends = hf_end_tokens(tok, base_model_dir(r))
+    stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
+    return rows, es, tok, stop
+
+
+def _rewind(path: Path, step: int) -> None:
+    """Resumed from `step`: answers logged after it by the interrupted attempt go; step 0: a fresh file."""
+    if not path.exists():
+        return
+    if step == 0:
+        path.unlink()
+        return
+    keep = [x for x in path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= step]
+    path.write_text("".join(x + "\n" for x in keep))

@@ -1,0 +1,120 @@
+"""`zerotune eval`: base vs fine-tuned HF vs GGUF per eval set, through the real CLI on a trained tiny run.
+
+The 40-step tiny run (shared session fixture) has learned the answer format ("You said: ...") but not yet the
+copying, so: on a format set the fine-tuned model beats the random-init base; on the exact task all three are
+low; HF and its Q8_0 GGUF agree on both."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _eval(out: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerotune", "eval", "tiny", f"output_dir={out}", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+def _format_set(tmp_path: Path, answer: str = "You said") -> Path:
+    """The held-out prompts, scored on the answer's shape (what regex group 1 must be)."""
+    rows = [json.loads(x) for x in (REPO / "data" / "tiny" / "heldout.jsonl").read_text().splitlines()[:30]]
+    p = tmp_path / f"format{len(answer)}.jsonl"
+    p.write_text("".join(json.dumps({"messages": r["messages"], "answer": answer}) + "\n" for r in rows))
+    return p
+
+
+# -- unit ---------------------------------------------------------------------------------------------------
+
+def test_default_set_is_data_heldout_scored_exact():
+    from zerotune.config import load_recipe
+    from zerotune.evaluate import eval_sets
+
+    (s,) = eval_sets(load_recipe("tiny"))
+    assert (s.name, s.path, s.scorer, s.max_new_tokens) == ("heldout", "data/tiny/heldout.jsonl", "exact", 12)
+
+
+def test_recipe_scorer_names_come_from_the_scorers_table():
+    import typing
+
+    from zerotune.config import EvalSetCfg, RecipeError, load_recipe
+    from zerotune.scorers import SCORERS
+
+    assert set(typing.get_args(typing.get_type_hints(EvalSetCfg)["scorer"])) == set(SCORERS)
+    with pytest.raises(RecipeError, match="eval.sets\\[0\\].scorer: 'exactly'.*Did you mean 'exact'"):
+        load_recipe("tiny", ["eval.sets=[{name: t, path: x.jsonl, scorer: exactly}]"])
+    with pytest.raises(RecipeError, match="names must be unique"):
+        load_recipe("tiny", ["eval.sets=[{name: t, path: a.jsonl}, {name: t, path: b.jsonl}]"])
+
+
+@pytest.mark.parametrize("content,match", [
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n', "line 1: needs 'messages'.*and 'answer'"),
+    ('{"messages": [], "answer": "x"}\nnot json\n', "line 2: not valid JSON"),
+])
+def test_bad_rows_are_user_errors_with_file_and_line(tmp_path, content, match):
+    from zerotune.config import EvalSetCfg
+    from zerotune.errors import UserError
+    from zerotune.evaluate import load_rows
+
+    p = tmp_path / "set.jsonl"
+    p.write_text(content)
+    with pytest.raises(UserError, match=match):
+        load_rows(EvalSetCfg(name="s", path=str(p)))
+
+
+def test_regex_set_without_pattern_is_refused(tmp_path):
+    from zerotune.config import EvalSetCfg
+    from zerotune.errors import UserError
+    from zerotune.evaluate import load_rows
+
+    p = tmp_path / "set.jsonl"
+    p.write_text('{"messages": [], "answer": "x"}\n')
+    with pytest.raises(UserError, match="scorer regex needs a pattern"):
+        load_rows(EvalSetCfg(name="s", path=str(p), scorer="regex"))
+    assert load_rows(EvalSetCfg(name="s", path=str(p), scorer="regex", pattern="(x)"))[0]["answer"] == "x"
+
+
+def test_missing_model_is_a_user_error_naming_the_stage(tmp_path):
+    proc = _eval(tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "no fine-tuned model; run `zerotune train tiny` first" in proc.stderr
+
+
+# -- integration ----------------------------------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_eval_base_hf_gguf_side_by_side(tiny_eval_run, tmp_path):
+    out, _ = tiny_eval_run
+    fmt = _format_set(tmp_path)
+    sets = (f"eval.sets=[{{name: task, path: data/tiny/heldout.jsonl, scorer: exact, max_new_tokens: 12, limit: 30}},"
+            f" {{name: format, path: {fmt}, scorer: regex, pattern: '^(You said):', max_new_tokens: 12,"
+            f" max_drop: 0.0}}]")
+    proc = _eval(out, sets)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "eval" / "eval.json").read_text())
+    table = {t["set"]: t for t in res["table"]}
+    assert table["format"]["base"] <= 0.1 and table["format"]["hf"] >= 0.9, table
+    for t in table.values():
+        assert t["n"] == 30
+        assert abs(t["hf"] - t["gguf"]) <= 0.1, t  # Q8_0 of the same weights: the same greedy answers, nearly
+    agree = [h == g for h, g in zip(*(res["per_row"]["format"][m] for m in ("hf", "gguf")))]
+    assert sum(agree) >= 27
+    assert (out / "eval" / "eval.png").stat().st_size > 0
+    assert "format" in proc.stdout and "GGUF" in proc.stdout
+
+
+@pytest.mark.integration
+def test_max_drop_fails_the_stage(tiny_eval_run, tmp_path):
+    """A 'retention' set the fine-tune got worse at: the untrained base answers it better (it never says
+    'You said', group 1 matches the empty answer); max_drop 0 must fail eval with exit 1 and name the set."""
+    out, _ = tiny_eval_run
+    fmt = _format_set(tmp_path, answer="")
+    proc = _eval(out, f"eval.sets=[{{name: retention, path: {fmt}, scorer: regex, pattern: '^(?!You said)()',"
+                      f" max_new_tokens: 4, max_drop: 0.0, limit: 10}}]")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FAIL retention: fine-tuned HF" in proc.stdout
