@@ -22,18 +22,16 @@ from . import manifest as mf
 from .config import Recipe, resolve_path
 from .errors import MissingInputError, UserError
 from .gguf_checks import CHAT_FORMAT
+from .hardware import GPUS, LLAMA_CPP_OVERHEAD_GIB
+from .quant_types import quant_type
 from .quantize import gguf_path
 
-# Gates per GGUF type: (max mean KL nats/token, min top-1 agreement). Q8_0 must be nearly lossless.
-GATES = {"f32": (1e-4, 0.999), "f16": (1e-3, 0.99), "bf16": (5e-3, 0.98), "q8_0": (0.01, 0.98),
-         "q6_k": (0.03, 0.95), "q5_k_m": (0.05, 0.93), "q5_k_s": (0.06, 0.92), "q4_k_m": (0.1, 0.9),
-         "q4_k_s": (0.12, 0.88)}
 # A GGUF argmax that HF rates within this many nats of its own top token counts as a near-tie agreement. On
 # a random-init model (near-flat distributions, median top-1/top-2 margin ~0.1 nats) Q8_0 noise flips ~10%
 # of argmaxes between such near-ties while mean KL stays ~2e-4; a trained model's margins are far larger.
 TIE_NATS = 0.1
-T4_USABLE_GIB = 14.6
-T4_OVERHEAD_GIB = 0.6  # CUDA context + llama.cpp compute buffers (measured ranges 0.3-0.8 GiB at 8K on 8B)
+T4_USABLE_GIB = GPUS["t4"].usable_gib
+T4_OVERHEAD_GIB = LLAMA_CPP_OVERHEAD_GIB
 
 
 def load_heldout(r: Recipe) -> list[dict]:
@@ -216,7 +214,8 @@ def check(r: Recipe) -> int:
     from .gguf_checks import read_header
     read_header(gguf)  # a damaged GGUF: GGUFCheckError naming the file, before minutes of HF answers
     qtype = r.quantize.type.lower()
-    max_kl, min_top1 = GATES.get(qtype, (0.2, 0.85))
+    gates = quant_type(qtype)  # quantize.type is validated against the table at recipe load
+    max_kl, min_top1 = gates.max_kl, gates.min_top1
     max_kl = r.check.max_kl if r.check.max_kl is not None else max_kl
     min_top1 = r.check.min_top1 if r.check.min_top1 is not None else min_top1
     rows = load_heldout(r)

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .quant_types import quant_type
+
 from .errors import UserError
 
 PROBE_TEXTS = [
@@ -59,7 +61,6 @@ END_OF_TURN = "<|eot_id|>"
 # the Llama-3 template), which does not `trim` message content as the template does: the served prompt then
 # differs from HF's and from training. zerotune always asks for the embedded template by this name.
 CHAT_FORMAT = "chat_template.default"
-QUANT_NAMES = {"q8_0": "Q8_0", "f16": "F16", "bf16": "BF16", "f32": "F32"}
 FLOAT_TYPES = {"F16", "F32", "BF16", "F64"}
 K_BLOCK = 256
 _ANSWER_MARK = "zerotune probe answer"
@@ -325,7 +326,7 @@ def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE
 
 def _type_problems(hdr: GGUFHeader, qtype: str) -> tuple[list[str], list[str]]:
     """(weights of the wrong type, K-quant fallbacks) over the 2-D weights."""
-    wanted = QUANT_NAMES.get(qtype)
+    wanted = quant_type(qtype).tensor_type
     k_quant = qtype.endswith(("_k", "_k_s", "_k_m", "_k_l"))
     wrong, fallback = [], []
     for t in hdr.tensors:
@@ -365,7 +366,7 @@ def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
         problems.append(f"{len(names)} tensors in the GGUF, expected {expected_tensors} from the HF checkpoint.")
     wrong, fallback = _type_problems(hdr, qtype)
     if wrong:
-        want = QUANT_NAMES.get(qtype) or f"quantized ({qtype}: a K-quant wherever the row length is a multiple of 256)"
+        want = quant_type(qtype).tensor_type or f"quantized ({qtype}: a K-quant wherever the row length is a multiple of 256)"
         problems.append(f"{len(wrong)} 2-D weights are not {want}: {wrong[:6]} (the converter keeps F16 for rows "
                         "that are not a multiple of 32; use model dimensions that are).")
     types: dict[str, int] = {}

@@ -25,16 +25,24 @@ class GPU:
     peak_tflops: float | None  # dense 16-bit tensor peak, for MFU
     bf16: bool
     flash_attention_2: bool
+    usable_gib: float = 0.0  # what CUDA can allocate (nvidia-smi total less ECC/driver reserve)
+    default_mfu: float | None = None  # the planner's assumed model FLOPs utilisation for training
 
 
 # Peak dense 16-bit tensor TFLOPS from vendor datasheets (fp16 on V100/T4, bf16 on A100/H100).
 GPUS = {
-    "v100-32gb": GPU("V100-SXM2-32GB", (7, 0), 32.0, 125.0, bf16=False, flash_attention_2=False),
-    "t4": GPU("T4", (7, 5), 15.0, 65.0, bf16=False, flash_attention_2=False),
-    "a100-80gb": GPU("A100-SXM4-80GB", (8, 0), 80.0, 312.0, bf16=True, flash_attention_2=True),
-    "h100-80gb": GPU("H100-SXM5-80GB", (9, 0), 80.0, 989.0, bf16=True, flash_attention_2=True),
+    "v100-32gb": GPU("V100-SXM2-32GB", (7, 0), 32.0, 125.0, bf16=False, flash_attention_2=False, usable_gib=32.0,
+                     default_mfu=0.35),
+    "t4": GPU("T4", (7, 5), 15.0, 65.0, bf16=False, flash_attention_2=False, usable_gib=14.6, default_mfu=0.30),
+    "a100-80gb": GPU("A100-SXM4-80GB", (8, 0), 80.0, 312.0, bf16=True, flash_attention_2=True, usable_gib=80.0,
+                     default_mfu=0.40),
+    "h100-80gb": GPU("H100-SXM5-80GB", (9, 0), 80.0, 989.0, bf16=True, flash_attention_2=True, usable_gib=80.0,
+                     default_mfu=0.35),
     "cpu": GPU("CPU", None, 0.0, None, bf16=False, flash_attention_2=False),
 }
+# llama.cpp on a GPU beside its weights and KV cache: CUDA context + compute buffers (0.3-0.8 GiB measured at
+# 8K context on 8B models); the T4 fit in plan and check counts it.
+LLAMA_CPP_OVERHEAD_GIB = 0.6
 
 
 def gpu_for_capability(cap: tuple[int, int] | None, name: str = "") -> GPU:

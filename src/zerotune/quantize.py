@@ -18,12 +18,11 @@ from . import manifest as mf
 from .config import REPO_ROOT, Recipe
 from .errors import MissingInputError, UserError
 from .gguf_checks import inspect_gguf
+from .quant_types import QUANT_TYPES
 
 CONVERTER = REPO_ROOT / "assets" / "llama.cpp" / "convert_hf_to_gguf.py"
-CONVERTER_TYPES = {"f32", "f16", "bf16", "q8_0"}
-# llama.cpp's LLAMA_FTYPE values for the quantizer path (include/llama.h).
-QUANTIZER_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9, "q2_k": 10, "q3_k_m": 12, "q4_k_s": 14,
-                   "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18}
+CONVERTER_TYPES = {k for k, q in QUANT_TYPES.items() if q.producer == "converter"}
+QUANTIZER_TYPES = {k: q.ftype for k, q in QUANT_TYPES.items() if q.producer == "quantizer"}
 
 
 def gguf_dir(r: Recipe) -> Path:
