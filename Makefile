@@ -6,7 +6,7 @@ ZT := $(PY) -m zerotune
 export HF_HUB_OFFLINE ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup data finetune quantize check serve plan demo test test-fast bench clean help
+.PHONY: setup data finetune quantize check eval serve plan demo test test-fast bench clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -28,6 +28,9 @@ quantize: setup  ## HF model -> GGUF (Q8_0 by default) with llama.cpp's converte
 
 check: setup  ## GGUF vs HF: held-out accuracy, KL, top-1, T4 fit, speed
 	$(ZT) check $(RECIPE) $(ARGS)
+
+eval: setup  ## base vs fine-tuned HF vs GGUF on every eval.sets set -> runs/<r>/eval/eval.json, eval.png
+	$(ZT) eval $(RECIPE) $(ARGS)
 
 serve: setup  ## OpenAI-compatible server over the GGUF on 127.0.0.1
 	$(ZT) serve $(RECIPE) $(ARGS)

@@ -53,3 +53,41 @@ def tiny_gguf(tmp_path_factory, tiny_model_dir) -> Path:
     out = tmp_path_factory.mktemp("gguf") / "tiny-q8_0.gguf"
     run_converter(tiny_model_dir, "q8_0", out)
     return out
+
+
+def _zt(*args: str, timeout: int = 1200) -> str:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "zerotune", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"zerotune {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return proc.stdout + proc.stderr
+
+
+TINY_STEPS = ["train.logging_steps=1", "train.max_steps=40"]
+
+
+@pytest.fixture(scope="session")
+def tiny_trained_40(tmp_path_factory):
+    """tiny, 40 steps on 2 ZeRO-3 CPU ranks, validation only at the end: (run folder, log). Shared so that
+    the runs compared with it (evaluation during training) don't retrain it."""
+    out = tmp_path_factory.mktemp("tiny_run")
+    _zt("prepare", "tiny", f"output_dir={out}")
+    return out, _zt("train", "tiny", f"output_dir={out}", *TINY_STEPS)
+
+
+@pytest.fixture(scope="session")
+def tiny_eval_run(tmp_path_factory, tiny_trained_40):
+    """The same run with validation + samples every 10 steps, then quantized to Q8_0: (run folder, log)."""
+    import shutil
+
+    ref, _ = tiny_trained_40
+    out = tmp_path_factory.mktemp("tiny_eval_run")
+    for part in ("data", "base"):  # same prepared data and init (same fingerprints): no re-prepare
+        shutil.copytree(ref / part, out / part)
+    log = _zt("train", "tiny", f"output_dir={out}", *TINY_STEPS, "train.eval_steps=10")
+    _zt("quantize", "tiny", f"output_dir={out}")
+    return out, log

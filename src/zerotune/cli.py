@@ -8,7 +8,7 @@ import sys
 
 from .config import RecipeError, explain, load_recipe
 
-STAGES = ["prepare", "train", "quantize", "check", "serve", "plan", "explain"]
+STAGES = ["prepare", "train", "quantize", "check", "eval", "serve", "plan", "explain"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.stage == "check":
         from .check import check
         return check(r)
+    elif args.stage == "eval":
+        from .evaluate import evaluate
+        return evaluate(r)
     elif args.stage == "serve":
         from .serve import serve
         return serve(r)

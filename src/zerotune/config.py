@@ -19,6 +19,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from .scorers import SCORERS
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 
@@ -86,6 +88,7 @@ class TrainCfg:
     zero: dict = _f({}, "Overrides merged into zero_optimization (memory knobs, offload)")
     seed: int = _f(42, "Training seed")
     logging_steps: int = _f(1, "Log every N optimizer steps")
+    eval_steps: int = _f(0, "Validation loss (+ eval.samples answers) every N optimizer steps; 0 = only at the end. Needs data.eval_fraction > 0")
     save_steps: int = _f(0, "Checkpoint every N optimizer steps (0 = only at the end)")
     save_total_limit: int = _f(2, "Checkpoints to keep")
     report_to: Literal["none", "wandb"] = _f("none", "Experiment tracker (wandb runs offline without an API key)")
@@ -121,6 +124,29 @@ class CheckCfg:
     n_gpu_layers: int = _f(0, "Layers llama.cpp offloads to the GPU during check (-1 = all, e.g. on a T4)")
 
 
+# One list of scorer names: the table in scorers.py.
+ScorerName = Literal[tuple(SCORERS)]
+
+
+@dataclass
+class EvalSetCfg:
+    name: str = _f("", "Short name shown in tables (e.g. task, retention)")
+    path: str = _f("", "JSONL of {messages: [chat prompt], answer: reference} rows (+ optional per-row pattern)")
+    scorer: ScorerName = _f("exact", "How an answer is compared with the reference: " + ", ".join(SCORERS))
+    pattern: Optional[str] = _f(None, "scorer regex: group 1 is the extracted answer (a row's own pattern wins)")
+    max_new_tokens: int = _f(32, "Greedy tokens per prompt")
+    max_drop: Optional[float] = _f(None, "Fine-tuned HF may score at most this much below the base model (check enforces it); null = no gate")
+    limit: Optional[int] = _f(None, "Score only the first N rows; null = all")
+
+
+@dataclass
+class EvalCfg:
+    sets: list = _f([], "Held-out sets scored by `zerotune eval` (base vs fine-tuned HF vs GGUF), see EvalSetCfg; empty = data.heldout scored exact")
+    samples: int = _f(4, "Held-out prompts (first set) answered greedily at each in-training evaluation; 0 = none")
+    lm_eval_tasks: list = _f([], "lm-evaluation-harness tasks run by `zerotune eval`; zerotune_heldout = the local task built from the first set")
+    lm_eval_limit: Optional[int] = _f(None, "lm-eval: examples per task; null = all")
+
+
 @dataclass
 class ServeCfg:
     host: str = _f("127.0.0.1", "Bind address (loopback by default)")
@@ -149,6 +175,7 @@ class Recipe:
     peft: PeftCfg = _f(None, "Parameter-efficient fine-tuning (LoRA / QLoRA); merged into runs/<name>/model after training")
     quantize: QuantizeCfg = _f(None, "GGUF export")
     check: CheckCfg = _f(None, "Inference check")
+    eval: EvalCfg = _f(None, "Evaluation: held-out sets, in-training samples, lm-evaluation-harness")
     serve: ServeCfg = _f(None, "Server")
     plan: PlanCfg = _f(None, "Target cluster for planning")
 
@@ -163,7 +190,7 @@ class Recipe:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 _SECTION_CLASSES = {"model": ModelCfg, "data": DataCfg, "train": TrainCfg, "peft": PeftCfg, "quantize": QuantizeCfg,
-                    "check": CheckCfg, "serve": ServeCfg, "plan": PlanCfg}
+                    "check": CheckCfg, "eval": EvalCfg, "serve": ServeCfg, "plan": PlanCfg}
 
 
 def _suggest(key: str, options) -> str:
@@ -244,6 +271,15 @@ def _build_source(raw: Any, where: str) -> SourceCfg:
     return src
 
 
+def _build_eval_set(raw: Any, where: str) -> EvalSetCfg:
+    es = _build(EvalSetCfg, raw, where)
+    if not es.name or not es.path:
+        raise RecipeError(f"{where}: every eval set needs a name and a path (JSONL with messages + answer).")
+    if es.max_new_tokens <= 0 or (es.max_drop is not None and not 0 <= es.max_drop <= 1):
+        raise RecipeError(f"{where}: max_new_tokens must be positive and max_drop in [0, 1].")
+    return es
+
+
 def recipe_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.exists():
@@ -286,6 +322,7 @@ def from_dict(raw: dict, where: str = "recipe") -> Recipe:
         kwargs.setdefault(key, cls())
     recipe = Recipe(**kwargs)
     recipe.data.sources = [_build_source(s, f"{where}: data.sources[{i}]") for i, s in enumerate(recipe.data.sources)]
+    recipe.eval.sets = [_build_eval_set(s, f"{where}: eval.sets[{i}]") for i, s in enumerate(recipe.eval.sets)]
     _validate(recipe, where)
     return recipe
 
@@ -297,6 +334,11 @@ def _validate(r: Recipe, where: str) -> None:
         raise RecipeError(f"{where}: data.seq_len, train.micro_batch_size and train.global_batch_tokens must be positive.")
     if not 0 <= r.data.eval_fraction < 1:
         raise RecipeError(f"{where}: data.eval_fraction must be in [0, 1).")
+    if r.train.eval_steps < 0 or (r.train.eval_steps > 0 and r.data.eval_fraction == 0):
+        raise RecipeError(f"{where}: train.eval_steps={r.train.eval_steps} needs a validation split: set "
+                          f"data.eval_fraction > 0 (e.g. 0.02), or train.eval_steps: 0.")
+    if len({s.name for s in r.eval.sets}) != len(r.eval.sets):
+        raise RecipeError(f"{where}: eval.sets names must be unique.")
     if r.peft.method != "none":
         if r.peft.r <= 0 or r.peft.alpha <= 0 or not 0 <= r.peft.dropout < 1:
             raise RecipeError(f"{where}: peft.r and peft.alpha must be positive and peft.dropout in [0, 1).")
@@ -334,4 +376,7 @@ def explain() -> str:
         for f in dataclasses.fields(cls):
             d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             lines.append(f"  {f.name}: {d!r:<12} # {f.metadata.get('help', '')}")
+            if (section, f.name) == ("eval", "sets"):  # list items are typed too: show their fields
+                for g in dataclasses.fields(EvalSetCfg):
+                    lines.append(f"    - {g.name}: {g.default!r:<10} # {g.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -166,9 +166,14 @@ def plot_curves(jsonl: Path, png: Path) -> None:
         return
     steps = [r["step"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    a.plot(steps, [r.get("loss") for r in rows], color="#4477aa")
+    a.plot([r["step"] for r in rows if "loss" in r], [r["loss"] for r in rows if "loss" in r], color="#4477aa",
+           label="training")
+    val = [r for r in rows if r.get("val_loss") is not None]
+    if val:  # validation loss (evaluation.py) sits in the rows of the steps it was measured at
+        a.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color="#ee6677", label="validation")
+        a.legend(fontsize=8)
     a.set_xlabel("optimizer step")
-    a.set_ylabel("training loss")
+    a.set_ylabel("loss (nats / label token)")
     a.set_yscale("log")  # the interesting part of a fine-tuning curve is the tail
     a.set_title("Loss")
     b.plot(steps, [r.get("tokens_per_s") or 0 for r in rows], color="#228833")
