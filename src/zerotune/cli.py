@@ -6,7 +6,9 @@ import argparse
 import os
 import sys
 
-from .config import RecipeError, explain, load_recipe
+from .config import explain, load_recipe
+from .errors import EXIT_CODE, UserError, hand_off, report
+from .quiet import silence_known_noise
 
 STAGES = ["prepare", "train", "quantize", "check", "eval", "serve", "plan", "explain"]
 
@@ -26,15 +28,39 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)  # unknown --flags are refused by argparse
+    silence_known_noise()
     if args.stage == "explain":
         print(explain())
         return 0
+    r = None
     try:
         r = load_recipe(args.recipe, args.overrides)
-    except RecipeError as e:
-        print(f"zerotune: {e}", file=sys.stderr)
-        return 2
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+        return _stage(args, argv, r)
+    except UserError as e:
+        if args.stage == "train" and "LOCAL_RANK" in os.environ:  # a torchrun worker: report once, not per rank
+            if r is not None:
+                return hand_off(r.out / "train", e)
+            return report(e) if os.environ["LOCAL_RANK"] == "0" else EXIT_CODE
+        return report(e)
+
+
+# stage -> (what it does, its output folder under output_dir), for the one-line banner each stage starts with
+BANNERS = {"prepare": ("tokenize, label and pack the data", "data"),
+           "train": ("fine-tune the model", "model"),
+           "quantize": ("export a GGUF with llama.cpp's converter and check it", "gguf"),
+           "check": ("compare the GGUF with the HF model on held-out prompts", "check")}
+
+
+def _banner(args, r) -> None:
+    """On stdout with the stage's own lines (stderr is for errors); plan, whose --json owns stdout, has none."""
+    if args.stage in BANNERS and not (args.finalize or args.dry_run or "LOCAL_RANK" in os.environ):
+        what, sub = BANNERS[args.stage]
+        print(f"== zerotune {args.stage} {r.name}: {what} -> {r.out / sub}", flush=True)
+
+
+def _stage(args, argv: list[str], r) -> int:
+    _banner(args, r)
     if args.stage == "prepare":
         from .data.prepare import prepare
         prepare(r, force=args.force)

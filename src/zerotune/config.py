@@ -19,13 +19,14 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from .errors import UserError
 from .scorers import SCORERS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
 
 
-class RecipeError(ValueError):
+class RecipeError(UserError, ValueError):
     """A recipe or override is invalid; the message says where and what to do."""
 
 

@@ -93,10 +93,12 @@ def torchrun(argv: list[str]) -> None:
     def no_handoff(_record) -> bool:
         return read_handoff(train_dir) is None
 
-    # Filter on the handlers: a filter on a logger does not see its children's records.
-    for h in logging.getLogger().handlers + logging.getLogger("torch.distributed.elastic").handlers:
+    # On every handler torch has set up by now (its own glog-style one on "torch" included): a filter on a
+    # logger does not see its children's records. Checked when a record is emitted, i.e. after a worker failed.
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    for h in {h for lg in loggers for h in lg.handlers} | {logging.lastResort}:
         h.addFilter(no_handoff)
-    logging.lastResort.addFilter(no_handoff)
     try:
         main(argv[1:])
     except ChildFailedError:

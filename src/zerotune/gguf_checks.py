@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .quant_types import quant_type
-
+from . import quiet
 from .errors import UserError
+from .quant_types import quant_type
 
 PROBE_TEXTS = [
     "Hello world! How are you today?",
@@ -285,6 +285,7 @@ def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     has_template = bool(read_header(gguf).get("tokenizer.chat_template"))
+    quiet.drop_llama_cpp_log(b"> n_ctx_train (0)")  # a vocab-only load has no training context to overflow
     llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False, chat_format=CHAT_FORMAT if has_template else None)
     try:
         mismatches = []

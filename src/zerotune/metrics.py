@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import math
 import resource
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback
+from transformers import PrinterCallback, TrainerCallback
 
 
 class FP16OverflowError(RuntimeError):
@@ -38,6 +39,54 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+class Progress:
+    """Optimizer steps done, tokens/s and time left, on rank 0: a live bar on a terminal; in a log file (not a
+    TTY) one line per tenth of the run, so a log of thousands of steps gains ten lines, not thousands."""
+
+    def __init__(self, total: int, done: int, tokens_per_step: int, stream=None):
+        self.stream = stream or sys.stderr
+        self.total, self.start, self.tokens_per_step = total, done, tokens_per_step
+        self.t0 = time.perf_counter()
+        self.marks = sorted({math.ceil(total * k / 10) for k in range(1, 11)})
+        self.bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=done, desc="train", unit="step", file=self.stream,
+                            dynamic_ncols=True, mininterval=1)
+
+    def update(self, step: int) -> None:
+        elapsed = time.perf_counter() - self.t0
+        rate = (step - self.start) / elapsed if elapsed > 0 else 0.0  # this attempt's steps per second
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{rate * self.tokens_per_step:,.0f} tok/s", refresh=False)
+            self.bar.update(step - self.bar.n)
+            return
+        if step not in self.marks:
+            return
+        eta = (self.total - step) / rate if rate > 0 else float("nan")
+        print(f"train: {step / self.total:4.0%} ({step}/{self.total} steps), {rate * self.tokens_per_step:,.0f} tok/s, "
+              f"{_hms(elapsed)} elapsed, {_hms(eta)} left", file=self.stream, flush=True)
+
+    def write(self, line: str) -> None:
+        """A log line that does not break the bar."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _hms(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
 class StepMetrics(TrainerCallback):
     def __init__(self, path: Path, tokens_per_step: int, label_fraction: float, flops_tok: float,
                  peak_tflops: float | None, world_size: int, max_overflows_at_min_scale: int = 5):
@@ -54,6 +103,13 @@ class StepMetrics(TrainerCallback):
         self._labels = None  # label tokens seen this step on this rank (a tensor: no sync per micro-batch)
         self.counting = False
         self.rows: list[dict] = []
+        self.progress: Progress | None = None
+
+    def attach(self, trainer) -> None:
+        """Read the DeepSpeed engine from `trainer`; this callback prints each logged step, so the Trainer's
+        own dict printer (added when disable_tqdm=True) would print it twice."""
+        self.trainer = trainer
+        trainer.remove_callback(PrinterCallback)
 
     def count_labels(self, model) -> None:
         """Count the label tokens each micro-batch really carries (the data set's average fraction misleads on
@@ -84,6 +140,15 @@ class StepMetrics(TrainerCallback):
             self.path.write_text("".join(x + "\n" for x in keep))
             print(f"train: metrics: moved {len(dropped)} rows logged after step {step} by the interrupted attempt "
                   f"to {self.path.with_name('metrics.discarded.jsonl')}", flush=True)
+
+    def on_train_begin(self, args, state, control, **kw):
+        if state.is_world_process_zero:
+            self.progress = Progress(state.max_steps, state.global_step, self.tokens_per_step)
+
+    def on_train_end(self, args, state, control, **kw):
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
 
     def on_step_begin(self, args, state, control, **kw):
         if self._t0 is None:
@@ -127,6 +192,8 @@ class StepMetrics(TrainerCallback):
                     f"{min_scale} (step {state.global_step}): training has diverged. Lower train.lr, check the data "
                     "for extreme samples, or use bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
         self.rows.append(row)
+        if self.progress is not None:
+            self.progress.update(state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kw):
         logs = dict(logs or {})
@@ -153,7 +220,11 @@ class StepMetrics(TrainerCallback):
         parts.append(f"peak mem {row.get('peak_mem_gib_max_rank', 0):.2f} GiB")
         if "loss_scale" in row:
             parts.append(f"loss scale {row['loss_scale']:g} (skipped {row['skipped_steps']})")
-        print("train: " + ", ".join(parts), flush=True)
+        line = "train: " + ", ".join(parts)
+        if self.progress is not None:
+            self.progress.write(line)
+        else:
+            print(line, flush=True)
 
 
 def plot_curves(jsonl: Path, png: Path) -> None:

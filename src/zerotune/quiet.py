@@ -21,6 +21,8 @@ LOG_LINES = [
      "hardware itself and says what it chose"),
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community",
      "an optional kernel from the hub; bitsandbytes uses its built-in CPU path"),
+    ("transformers.tokenization_utils_tokenizers", "Ignoring clean_up_tokenization_spaces=True for BPE tokenizer",
+     "Llama-3's tokenizer_config.json asks for it; transformers rightly skips it for a BPE tokenizer"),
 ]
 
 # (message regex, category, module regex of the caller the warning is attributed to, why)
@@ -70,3 +72,29 @@ def drop_stdout_lines(prefix: str):
         if kept:
             sys.stdout.write("".join(kept))
             sys.stdout.flush()
+
+
+_LLAMA_CPP_DROPPED: list[bytes] = []
+_LLAMA_CPP_CALLBACK = []  # a ctypes callback must outlive its registration
+
+
+def drop_llama_cpp_log(text: bytes) -> None:
+    """Drop llama.cpp log lines containing `text`, keep the rest. llama-cpp-python's verbose=False does not
+    hide llama.cpp's warnings: its level table predates ggml's (WARN is 3 now, which it reads as ERROR)."""
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp import _logger
+
+    if text not in _LLAMA_CPP_DROPPED:
+        _LLAMA_CPP_DROPPED.append(text)
+    if _LLAMA_CPP_CALLBACK:
+        return
+
+    @llama_cpp.llama_log_callback
+    def callback(level, message, user_data):
+        if not any(t in message for t in _LLAMA_CPP_DROPPED):
+            _logger.llama_log_callback(level, message, user_data)
+
+    _LLAMA_CPP_CALLBACK.append(callback)
+    llama_cpp.llama_log_set(callback, ctypes.c_void_p(0))

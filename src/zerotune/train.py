@@ -21,10 +21,12 @@ import warnings
 from pathlib import Path
 
 from . import batch as batchmod
-from . import ds_config, hardware, peft_utils
+from . import ds_config, hardware, peft_utils, quiet
+from . import errors
 from . import manifest as mf
 from .config import Recipe, resolve_path
 from .data.prepare import data_dir, load_tokenizer, require_prepared
+from .errors import UserError
 
 
 def base_model_dir(r: Recipe) -> Path:
@@ -140,15 +142,25 @@ def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
     env = dict(os.environ)
     if n_gpu == 0:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's accelerator plumbing; gloo without oneCCL
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}", "-m", "zerotune", *argv]
-    print(f"train: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: {' '.join(cmd[2:])}", flush=True)
-    rc = subprocess.call(cmd, env=env)
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default then: stated here, it prints no banner about it
+    torchrun = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+                "-m", "zerotune", *argv]
+    print(f"train: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: torchrun {' '.join(torchrun)}", flush=True)
+    errors.clear_handoffs(r.out / "train")
+    # torchrun through errors.torchrun: on a worker's user error, its failure report stays off the terminal
+    rc = subprocess.call([sys.executable, "-c", "import sys; from zerotune.errors import torchrun; torchrun(sys.argv[1:])",
+                          str(r.out / "train"), *torchrun], env=env)
     stopped = mf.read(r.out / "train" / "stopped.json")
     if rc != 0 and stopped:
         print(f"train: stopped on {stopped['signal']} at step {stopped['step']} with committed checkpoint "
               f"{stopped['checkpoint']}; run the same command again to resume.", flush=True)
         return 75
+    handoff = errors.read_handoff(r.out / "train") if rc != 0 else None
+    if handoff:  # a worker's user error, printed once by local rank 0 unless only another rank hit it
+        if not handoff["printed"]:
+            print(f"zerotune: {handoff['message']}", file=sys.stderr, flush=True)
+        return errors.EXIT_CODE
     if rc != 0:
         print(f"train: the distributed job failed (exit {rc}); {final_model_dir(r)} and committed checkpoints "
               "are untouched.", file=sys.stderr, flush=True)
@@ -222,7 +234,7 @@ def total_steps(n_sequences: int, bp: batchmod.BatchPlan, r: Recipe) -> int:
         return r.train.max_steps
     per_epoch = n_sequences // bp.sequences_per_step
     if per_epoch == 0:
-        raise ValueError(f"the prepared data has {n_sequences} sequences, fewer than one optimizer step "
+        raise UserError(f"the prepared data has {n_sequences} sequences, fewer than one optimizer step "
                          f"({bp.sequences_per_step}); lower train.global_batch_tokens or add data.")
     return max(1, int(per_epoch * r.train.epochs))
 
@@ -264,7 +276,10 @@ def worker(r: Recipe) -> None:
         # zero.Init (inside from_pretrained) reads the world size from deepspeed.comm, which the Trainer
         # does not set up under use_cpu=True: without this it sees world 1 and rejects the batch config.
         import deepspeed
-        deepspeed.init_distributed(dist_backend="gloo" if gpu.capability is None else "nccl")
+        with quiet.drop_stdout_lines("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"):
+            deepspeed.init_distributed(dist_backend="gloo" if gpu.capability is None else "nccl")
+        # accelerate's plugin says GA 1 under DeepSpeed and takes the config's: harmless when that is ours
+        quiet.drop_log("accelerate.accelerator", f"GradientAccumulationPlugin has 1, DeepSpeed config has {bp.grad_accum}.")
 
     if rank == 0:
         zero = (args.hf_deepspeed_config.config.get("zero_optimization", {}) if args.deepspeed else {})
@@ -304,7 +319,7 @@ def worker(r: Recipe) -> None:
     commit = CommitCheckpoints(r.train.save_total_limit)
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collate,
                       callbacks=[metrics, stop, commit, *faults.callbacks(model)])
-    metrics.trainer = trainer
+    metrics.attach(trainer)
     metrics.count_labels(model)
     resume = last_committed(checkpoints_dir(r), quiet=rank != 0)
     if dist.is_initialized():
