@@ -1,4 +1,5 @@
-"""sbatch scripts: valid bash, placeholders marked, and they run the same CLI the tests run."""
+"""sbatch scripts: valid bash, no site values, logs that a fresh clone can write, the same CLI the tests run;
+and the deadline rule the workers apply at every step boundary (tests/test_slurm_cluster.py runs it all for real)."""
 
 import os
 import re
@@ -8,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-SLURM = Path(__file__).resolve().parents[1] / "slurm"
-SCRIPTS = sorted(SLURM.glob("*.sbatch")) + [SLURM / "env.sh"]
+REPO = Path(__file__).resolve().parents[1]
+SLURM = REPO / "slurm"
+SBATCH = sorted(SLURM.glob("*.sbatch"))
+SCRIPTS = SBATCH + [SLURM / "env.sh", SLURM / "signal_workers.sh", REPO / "scripts" / "slurm_local_cluster.sh"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -23,19 +26,68 @@ def test_shellcheck(script):
         if os.environ.get("CI"):  # .ci/run installs it: missing there is a failure, not a skip
             pytest.fail("shellcheck missing in CI")
         pytest.skip("shellcheck not installed (apt-get install shellcheck)")
-    subprocess.run(["shellcheck", "-x", "-s", "bash", str(script)], check=True, cwd=SLURM.parent)
+    subprocess.run(["shellcheck", "-x", "-s", "bash", str(script)], check=True, cwd=REPO)
 
 
 def test_finetune_runs_the_zerotune_cli_and_never_parses_yaml():
     text = (SLURM / "finetune.sbatch").read_text()
-    assert re.search(r"-m torch\.distributed\.run .*\n(.*\n)*\s+-m zerotune train \"\$RECIPE\"", text)
-    assert "zerotune plan" in text  # preflight
-    for banned in ("yq ", "grep ", "awk ", ".yaml"):
+    assert re.search(r"slurm/job\.py torchrun .*\n(.*\n)*\s+-m zerotune train \"\$RECIPE\" \"\$@\"", text)
+    assert "slurm/job.py preflight" in text and "slurm/job.py outcome" in text
+    for banned in ("yq ", "grep ", "awk ", "sed ", ".yaml", "pkill", "killall"):
         assert banned not in text.replace("# ", ""), banned
 
 
-@pytest.mark.parametrize("script", sorted(SLURM.glob("*.sbatch")), ids=lambda p: p.name)
-def test_site_specific_values_are_marked_placeholders(script):
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: p.name)
+def test_no_site_values_and_logs_go_to_a_committed_folder(script):
     text = script.read_text()
-    assert "#SBATCH --account=PLACEHOLDER_ACCOUNT" in text
+    directives = re.findall(r"^#SBATCH\s+(\S+)", text, flags=re.M)
+    site = [d for d in directives if re.match(r"--(account|partition|gres|gpus|cpus-per-task|qos|reservation|time)\b"
+                                              r"|-[ApGct]\b", d)]
+    assert not site, f"site values belong on the sbatch command line: {site}"
+    assert "PLACEHOLDER" not in text
     assert "source slurm/env.sh" in text
+    out = [d.split("=", 1)[1] for d in directives if d.startswith("--output=")]
+    assert out, "a log path relative to the submit dir"
+    folder = Path(out[0]).parent
+    # SLURM opens --output before the script runs: a folder missing in a fresh clone fails the job with no log
+    tracked = subprocess.run(["git", "ls-files", str(folder)], cwd=REPO, capture_output=True, text=True).stdout
+    assert tracked.strip(), f"{folder} has no tracked file: a fresh clone would not have it"
+
+
+def test_finetune_requeues_and_appends_to_its_log():
+    directives = re.findall(r"^#SBATCH\s+(\S+)", (SLURM / "finetune.sbatch").read_text(), flags=re.M)
+    assert "--requeue" in directives and "--open-mode=append" in directives
+    assert any(d.startswith("--signal=B:USR1@") for d in directives)
+
+
+def test_deadline_rule():
+    from zerotune.checkpoint import MARGIN_FRACTION, MARGIN_S, out_of_time, seconds_needed
+
+    step, save = 3600.0, 120.0
+    need = seconds_needed(step, save)
+    assert need == pytest.approx((step + save) * (1 + MARGIN_FRACTION) + MARGIN_S)
+    now = 1_000_000.0
+    assert not out_of_time(now, now + need + 1, step, save), "one more step and its save fit"
+    assert out_of_time(now, now + need - 1, step, save), "they don't: commit now"
+    assert out_of_time(now, now - 10, step, save), "past the deadline: still commit (best left)"
+    assert not out_of_time(now, None, step, save), "no time limit"
+    assert not out_of_time(now, now + 1, None, save), "no step measured yet: nothing to predict from"
+    # a save never measured counts as long as a step
+    assert out_of_time(now, now + seconds_needed(step, step) - 1, step, None)
+    assert not out_of_time(now, now + seconds_needed(step, step) + 1, step, None)
+
+
+def test_plan_states_the_cost_of_preemption():
+    from zerotune.checkpoint import seconds_needed
+    from zerotune.config import load_recipe
+    from zerotune.plan import SAVE_BYTES_PER_S, compute_plan, format_plan
+
+    p = compute_plan(load_recipe("llama8b_zero3", ["train.save_steps=2"]))
+    pe, step = p["preemption"], p["time"]["seconds_per_step"]
+    assert pe["save_s"] == pytest.approx(p["disk"]["checkpoint_bytes"] / SAVE_BYTES_PER_S)
+    assert pe["idle_at_time_limit_s"] == pytest.approx(seconds_needed(step, pe["save_s"]))
+    assert pe["lost_on_kill_s"] == pytest.approx(2 * step)
+    assert pe["signal_lead_s"] >= seconds_needed(0, pe["save_s"]) and pe["signal_lead_s"] % 60 == 0
+    text = format_plan(p)
+    assert f"recommended --signal=B:USR1@{pe['signal_lead_s']}" in text
+    assert "no trained step lost" in text and "mid-step checkpoints are not implemented" in text

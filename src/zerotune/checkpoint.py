@@ -119,9 +119,13 @@ class CommitCheckpoints(TrainerCallback):
     def __init__(self, keep: int | None):
         self.keep = keep
         self.saving: int | None = None  # the step being saved, for the error message if writing fails
+        self.save_t0 = 0.0
 
     def on_step_end(self, args, state, control, **kw):
+        import time
+
         self.saving = state.global_step if control.should_save else None
+        self.save_t0 = time.time()
         return control
 
     def on_save(self, args, state, control, model=None, **kw):
@@ -144,8 +148,11 @@ class CommitCheckpoints(TrainerCallback):
             raise RuntimeError(f"checkpoint {ckpt} is incomplete on at least one rank; not committing it; {kept}.")
         if state.is_world_process_zero:
             os.sync()  # the sizes recorded must be what is on disk
+            import time
+
+            # save_s: how long this save took, so a resumed run's deadline check knows it before it saves
             mf.write(ckpt / MARKER, {"step": state.global_step, "world_size": args.world_size,
-                                     "files": file_sizes(ckpt)})
+                                     "save_s": round(time.time() - self.save_t0, 3), "files": file_sizes(ckpt)})
             os.sync()
             gone = rotate(ckpt.parent, self.keep)
             print(f"checkpoint: committed {ckpt.name}" + (f"; removed {', '.join(gone)}" if gone else ""), flush=True)
@@ -168,40 +175,129 @@ def describe_failure(exc: BaseException, ckpt_root: Path, saving_step: int | Non
 
 
 STOPPED_FILE = "stopped.json"
-REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped on a signal with a committed checkpoint; run again to resume
+REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped on a signal or the deadline; run again to resume
+# Plumbing from the launcher (slurm/finetune.sbatch), not recipe knobs:
+DEADLINE_ENV = "ZEROTUNE_DEADLINE"  # unix time the job is killed at (SLURM's end time)
+PID_DIR_ENV = "ZEROTUNE_PID_DIR"  # each worker registers its pid here, so the batch script signals exactly them
+# Step times vary (sequence mix, other jobs on shared storage) and slurmctld enforces limits on a ~30 s poll:
+# keep 10% of the next step + save and a minute more in hand.
+MARGIN_FRACTION = 0.1
+MARGIN_S = 60.0
+
+
+def seconds_needed(step_s: float, save_s: float) -> float:
+    """Time to run one more optimizer step and commit its checkpoint, with the safety margin."""
+    return (step_s + save_s) * (1 + MARGIN_FRACTION) + MARGIN_S
+
+
+def out_of_time(now: float, deadline: float | None, step_s: float | None, save_s: float | None) -> bool:
+    """At a step boundary: True when one more step and its save would not end before the deadline, so the run
+    must commit now and stop. step_s, save_s: the longest recently measured; a save never measured counts as
+    long as a step. No deadline or no measured step: never. When even the save alone no longer fits, it is
+    still True: committing now is the best left, and the previous commit stays intact if the save is cut."""
+    if deadline is None or step_s is None:
+        return False
+    return now + seconds_needed(step_s, step_s if save_s is None else save_s) > deadline
+
+
+class StopBeforeTraining(Exception):
+    """A stop was requested before the first optimizer step of this attempt: there is nothing new to commit."""
 
 
 class StopOnSignal(TrainerCallback):
-    """SIGUSR1 (SLURM's time-limit warning, forwarded by slurm/finetune.sbatch) or SIGTERM: checkpoint at the
-    next optimizer-step boundary and stop. The flag is reduced across ranks every step so all ranks stop at
-    the same step; a rank entering the ZeRO-3 save alone would hang the others."""
+    """Stop at the next optimizer-step boundary with a committed checkpoint when SIGUSR1 (SLURM's time-limit
+    warning, forwarded by slurm/finetune.sbatch) or SIGTERM arrives, or when the job's deadline
+    ($ZEROTUNE_DEADLINE) is too close for another step and its save. Create it first thing in the worker: a
+    signal while the model loads or DeepSpeed initialises is remembered (the default action of SIGUSR1 would
+    kill the process), and if training has not started when the Trainer is ready, StopBeforeTraining is raised
+    on every rank. The decision is reduced across ranks every step so all ranks stop at the same step; a rank
+    entering the ZeRO-3 save alone would hang the others."""
+
+    RECENT = 3  # steps whose longest time predicts the next one
 
     def __init__(self):
         import signal
 
         self.requested: str | None = None
+        self.reason: str | None = None  # why the run stopped: a signal name or "deadline"
         self.stopped_at: int | None = None
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)
+        deadline = os.environ.get(DEADLINE_ENV, "")
+        self.deadline = float(deadline) if deadline else None
+        self.step_times: list[float] = []
+        self.save_s: float | None = None
+        self._step_t0: float | None = None
+        self._save_t0: float | None = None
+        pid_dir = os.environ.get(PID_DIR_ENV)
+        if pid_dir:  # only after the handler is installed: a registered worker survives the signal
+            node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+            f = Path(pid_dir) / f"{node}.{os.environ.get('LOCAL_RANK', '0')}.pid"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            tmp = f.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(f"{os.getpid()}\n")
+            os.replace(tmp, f)  # the batch script never reads half a pid
 
     def _handle(self, signum, frame):
         import signal
 
         self.requested = signal.Signals(signum).name
 
-    def on_step_end(self, args, state, control, **kw):
+    @staticmethod
+    def _max_over_ranks(args, value: float) -> float:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor(1.0 if self.requested else 0.0)
+        t = torch.tensor(value)
         if dist.is_initialized():
-            flag = flag.to(args.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
+            t = t.to(args.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def on_train_begin(self, args, state, control, **kw):
+        if self._max_over_ranks(args, 1.0 if self.requested else 0.0) > 0:
+            raise StopBeforeTraining(f"{self.requested or 'a signal on another rank'} received before the first step")
+        resumed = last_committed(Path(args.output_dir), quiet=True)
+        marker = mf.read(resumed / MARKER) if resumed else None
+        self.save_s = (marker or {}).get("save_s")  # the previous attempt's save: known before this one saves
+        if self.deadline is not None and state.is_world_process_zero:
+            import time
+
+            print(f"train: the job ends at {time.strftime('%H:%M:%S', time.localtime(self.deadline))} "
+                  f"(in {self.deadline - time.time():,.0f} s): stopping at a step boundary with a committed "
+                  "checkpoint when the next step and its save would not fit", flush=True)
+        return control
+
+    def on_step_begin(self, args, state, control, **kw):
+        import time
+
+        now = time.time()
+        if self._save_t0 is not None:  # the last step was saved: the save (and commit) ended here
+            self.save_s = max(self.save_s or 0.0, now - self._save_t0)
+            self._save_t0 = None
+        self._step_t0 = now
+        return control
+
+    def on_step_end(self, args, state, control, **kw):
+        import time
+
+        now = time.time()
+        if self._step_t0 is not None:
+            self.step_times = (self.step_times + [now - self._step_t0])[-self.RECENT:]
+        step_s = max(self.step_times) if self.step_times else None
+        # 2: a signal, 1: the deadline; MAX over ranks, so a signal anywhere wins the reason
+        local = 2.0 if self.requested else 1.0 if out_of_time(now, self.deadline, step_s, self.save_s) else 0.0
+        flag = self._max_over_ranks(args, local)
+        if flag > 0:
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
+            self.reason = "deadline" if flag < 2 else (self.requested or "a signal on another rank")
             if state.is_world_process_zero:
-                print(f"train: {self.requested or 'a signal on another rank'} received: checkpointing at step "
-                      f"{state.global_step} and stopping", flush=True)
+                why = (f"{self.reason} received" if flag >= 2 else
+                       f"the job ends in {self.deadline - now:,.0f} s and the next step + save needs "
+                       f"~{seconds_needed(step_s, self.save_s if self.save_s is not None else step_s):,.0f} s")
+                print(f"train: {why}: checkpointing at step {state.global_step} and stopping", flush=True)
+        if control.should_save:
+            self._save_t0 = now
         return control

@@ -83,6 +83,24 @@ def _disk(r: Recipe, shape, choice, peft) -> dict:
             "peak_bytes": at_once * ckpt + 2 * model}
 
 
+SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write rate to shared storage, all ranks together: measure your own
+
+
+def _preemption(r: Recipe, time: dict, disk: dict) -> dict:
+    """What a time limit or a kill costs under slurm/finetune.sbatch. At a time limit the workers stop at a step
+    boundary with a commit when the next step + save + margin would not fit (checkpoint.out_of_time): no trained
+    step is lost, up to that much of the allocation goes unused. A kill without warning loses the steps since
+    the last save. The USR1 lead must cover at least one save (the step in flight is finished first)."""
+    from .checkpoint import seconds_needed
+
+    step = time["seconds_per_step"]
+    save = disk["checkpoint_bytes"] / SAVE_BYTES_PER_S
+    every = r.train.save_steps if r.train.save_steps > 0 else None
+    return {"save_s": save, "idle_at_time_limit_s": seconds_needed(step, save) if step else None,
+            "lost_on_kill_s": every * step if step and every else None, "save_steps": every,
+            "signal_lead_s": 60 * math.ceil(seconds_needed(0, save) / 60)}
+
+
 def _step_time(r, shape, g, gpu_name, seq, world) -> dict:
     """FLOPs per optimizer step and the time at the assumed MFU (counting all executed FLOPs)."""
     T, N, L = r.train.global_batch_tokens, shape.n_params, shape.layers
@@ -180,6 +198,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
         if cpu_need > r.plan.cpu_ram_gb * 1e9:
             warnings.append(f"CPU RAM: DeepSpeed estimates {cpu_need / 1e9:.0f} GB per node for offloaded states, "
                             f"plan.cpu_ram_gb is {r.plan.cpu_ram_gb:g}.")
+    disk = _disk(r, shape, choice, _peft(r, shape))
     return {
         "recipe": r.name, "model": {"config": shape.config_path, **{k: v for k, v in dataclasses.asdict(shape).items()
                                                                    if k != "config_path"}},
@@ -195,7 +214,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
                    "cpu_bytes_per_node": own_mem["cpu_bytes_per_node"]},
         "options": options, "recommended": rec, "suggestions": suggestions,
         "time": time, "data": data, "inference": _inference(r, shape), "warnings": warnings,
-        "disk": _disk(r, shape, choice, _peft(r, shape)),
+        "disk": disk, "preemption": _preemption(r, time, disk),
     }
 
 
@@ -267,6 +286,16 @@ def format_plan(p: dict) -> str:
     dk = p["disk"]
     lines.append(f"\ndisk: {_gib(dk['checkpoint_bytes']).strip()} per checkpoint x {dk['checkpoints_at_once']} at once "
                  f"+ 2 x {_gib(dk['model_bytes']).strip()} model = {_gib(dk['peak_bytes']).strip()} under output_dir")
+    pe = p["preemption"]
+    lines.append(f"\npreemption (slurm/finetune.sbatch): a save takes ~{pe['save_s']:,.0f} s at an assumed "
+                 f"{SAVE_BYTES_PER_S / 1e9:g} GB/s; recommended --signal=B:USR1@{pe['signal_lead_s']} (one save + margin)")
+    if pe["idle_at_time_limit_s"]:
+        lines.append(f"  time limit: the run stops at a step boundary with a checkpoint, no trained step lost; up to "
+                     f"{pe['idle_at_time_limit_s'] / 3600:.2f} h of the allocation (a step + a save + margin) unused")
+    if pe["lost_on_kill_s"]:
+        lines.append(f"  killed without warning (node failure, scancel): up to {pe['lost_on_kill_s'] / 3600:.2f} h "
+                     f"of training lost (train.save_steps={pe['save_steps']}: the steps since "
+                     "the last save); mid-step checkpoints are not implemented")
     inf = p["inference"]
     lines.append(f"\ninference (GGUF, T4 {inf['t4_usable_gib']} GiB usable, f16 KV {inf['kv_bytes_per_token'] / 1024:g} KiB/token):")
     for q, row in inf["quant"].items():

@@ -126,10 +126,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
-    """Start the distributed job; returns its exit code."""
-    import torch
-
+def before_launch(r: Recipe, force: bool = False) -> None:
+    """What is checked and built before any worker starts; slurm/job.py runs it too, before srun."""
     from .plan import disk_preflight, preflight
 
     require_prepared(r)  # fail here, in seconds, not after the launch
@@ -137,6 +135,13 @@ def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
         preflight(r)  # predicted not to fit -> PlanError with the suggested change (--force overrides)
         disk_preflight(r, r.out)
     materialise_base(r)
+
+
+def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
+    """Start the distributed job; returns its exit code."""
+    import torch
+
+    before_launch(r, force)
     n_gpu = torch.cuda.device_count()
     nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
     env = dict(os.environ)
@@ -153,8 +158,12 @@ def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
                           str(r.out / "train"), *torchrun], env=env)
     stopped = mf.read(r.out / "train" / "stopped.json")
     if rc != 0 and stopped:
-        print(f"train: stopped on {stopped['signal']} at step {stopped['step']} with committed checkpoint "
-              f"{stopped['checkpoint']}; run the same command again to resume.", flush=True)
+        if stopped.get("committed"):
+            print(f"train: stopped on {stopped['signal']} at step {stopped['step']} with committed checkpoint "
+                  f"{stopped['checkpoint']}; run the same command again to resume.", flush=True)
+        else:
+            print(f"train: stopped on {stopped['signal']} before training started, without a new checkpoint; run "
+                  f"the same command again to resume from {stopped['checkpoint'] or 'the beginning'}.", flush=True)
         return 75
     handoff = errors.read_handoff(r.out / "train") if rc != 0 else None
     if handoff:  # a worker's user error, printed once by local rank 0 unless only another rank hit it
@@ -246,13 +255,16 @@ def _torch_dtype(precision: str):
 
 
 def worker(r: Recipe) -> None:
+    from .checkpoint import StopOnSignal
+
+    stop = StopOnSignal()  # first: a SIGUSR1 while loading must be remembered, not kill the process
     import torch
     import torch.distributed as dist
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM, Trainer
 
     from . import faults
-    from .checkpoint import (REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopOnSignal, describe_failure,
+    from .checkpoint import (REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopBeforeTraining, describe_failure,
                              discard_after, last_committed, step_of)
     from .metrics import StepMetrics, flops_per_token, plot_curves
 
@@ -315,7 +327,6 @@ def worker(r: Recipe) -> None:
                           flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
                           gpu.peak_tflops, world)
     collate = _collate_packed if r.data.packing else _make_collate_padded(data_manifest["pad_token_id"])
-    stop = StopOnSignal()
     commit = CommitCheckpoints(r.train.save_total_limit)
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collate,
                       callbacks=[metrics, stop, commit, *faults.callbacks(model)])
@@ -336,6 +347,15 @@ def worker(r: Recipe) -> None:
     t0 = time.time()
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except StopBeforeTraining as e:
+        if rank == 0:
+            print(f"train: {e}: stopping without a new checkpoint; a rerun resumes from "
+                  f"{resume or 'the beginning'}", flush=True)
+            mf.write(r.out / "train" / STOPPED_FILE, {"step": step_of(resume) if resume else 0, "signal": stop.requested,
+                                                      "checkpoint": str(resume) if resume else None, "committed": False})
+        if dist.is_initialized():
+            dist.barrier()
+        sys.exit(REQUEUE_EXIT)
     except Exception as e:
         # every rank says it: the rank that failed first may be the only one left to print anything
         print(f"[rank {rank}] " + describe_failure(e, checkpoints_dir(r), commit.saving), file=sys.stderr, flush=True)
@@ -343,8 +363,9 @@ def worker(r: Recipe) -> None:
     elapsed = time.time() - t0
     if stop.stopped_at is not None:
         if rank == 0:
-            mf.write(r.out / "train" / STOPPED_FILE, {"step": stop.stopped_at, "signal": stop.requested,
-                                                      "checkpoint": str(last_committed(checkpoints_dir(r)))})
+            mf.write(r.out / "train" / STOPPED_FILE, {"step": stop.stopped_at, "signal": stop.reason,
+                                                      "checkpoint": str(last_committed(checkpoints_dir(r))),
+                                                      "committed": True})
         if dist.is_initialized():
             dist.barrier()
         sys.exit(REQUEUE_EXIT)

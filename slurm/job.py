@@ -1,0 +1,122 @@
+"""The two steps of slurm/finetune.sbatch that need the recipe, so the script never reads YAML itself.
+
+  python slurm/job.py preflight RECIPE [section.key=value ...]
+      Before srun starts any worker: the plan for this allocation (printed to the log), prepared data that
+      matches the recipe, the disk, the base model: what `zerotune train` checks before torchrun
+      (train.before_launch). stdout gets one line for the script: PROCS_PER_NODE DEVICE RUN_DIR.
+      A user error: one message, exit 2.
+  python slurm/job.py torchrun RUN_DIR TORCHRUN_ARGS...
+      torch.distributed.run (one per node, under srun), quiet when the workers stopped as asked: their exit 75
+      with stopped.json is the protocol, not a failure, and torchrun's ChildFailedError traceback and failure
+      table would say otherwise in the log. Exit 75 then; any other failure keeps torchrun's report.
+  python slurm/job.py outcome RUN_DIR SRUN_EXIT
+      After srun: what happened, in the last lines of the job log, and the script's exit code:
+      0 trained and published, 75 stopped (requeue it), anything else failed (do not requeue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+from zerotune import manifest as mf
+from zerotune.checkpoint import REQUEUE_EXIT, STOPPED_FILE, last_committed
+from zerotune.config import load_recipe
+from zerotune.errors import UserError, report
+
+NO_PROGRESS_FILE = "stopped_before_training.json"  # this job's last attempt stopped without training a step
+
+
+def preflight(recipe: str, overrides: list[str]) -> int:
+    from zerotune.plan import compute_plan, format_plan
+    from zerotune.train import before_launch
+
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0)
+    nodes = int(os.environ.get("SLURM_NNODES") or 1)
+    try:
+        r = load_recipe(recipe, overrides)
+        procs = gpus or r.train.cpu_procs
+        # the allocation, not the recipe's plan: section, is what the plan and its checks must describe
+        r = load_recipe(recipe, [*overrides, f"plan.nodes={nodes}", f"plan.gpus_per_node={procs}"])
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the script's one line
+            print(format_plan(compute_plan(r)), flush=True)
+            before_launch(r)
+    except UserError as e:
+        return report(e)
+    (r.out / "train" / STOPPED_FILE).unlink(missing_ok=True)  # only this attempt's workers may write it
+    print(procs, "GPU" if gpus else "CPU", r.out)
+    return 0
+
+
+def torchrun(run_dir: Path, argv: list[str]) -> int:
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    stopped = run_dir / "train" / STOPPED_FILE
+
+    def unless_stopped(_record) -> bool:
+        return not stopped.exists()
+
+    # on the handlers: a filter on a logger does not see its children's records
+    for h in logging.getLogger().handlers + logging.getLogger("torch.distributed.elastic").handlers:
+        h.addFilter(unless_stopped)
+    logging.lastResort.addFilter(unless_stopped)
+    try:
+        torchrun_main(argv)
+    except ChildFailedError:
+        if stopped.exists():
+            return REQUEUE_EXIT
+        raise
+    return 0
+
+
+def outcome(run_dir: Path, srun_rc: int) -> int:
+    job = os.environ.get("SLURM_JOB_ID", "?")
+    train = run_dir / "train"
+    stopped = mf.read(train / STOPPED_FILE)
+    no_progress = train / NO_PROGRESS_FILE
+    if stopped and stopped.get("committed"):
+        no_progress.unlink(missing_ok=True)
+        print(f"finetune: stopped by {stopped['signal']} at step {stopped['step']}: checkpoint committed "
+              f"({stopped['checkpoint']}); requeueing job {job}, which resumes from it", flush=True)
+        return REQUEUE_EXIT
+    if stopped:
+        start = stopped["checkpoint"] or "the beginning"
+        if (mf.read(no_progress) or {}).get("job") == job:
+            # twice in a row without one step: requeueing again would loop until someone notices
+            print(f"finetune: stopped by {stopped['signal']} before training started, for the second attempt in a "
+                  f"row: no new checkpoint. Not requeued: the time left after startup is shorter than the warning "
+                  f"lead (--signal) or one step. Raise --time, then resubmit; it starts from {start}.", flush=True)
+            return 1
+        mf.write(no_progress, {"job": job})
+        print(f"finetune: stopped by {stopped['signal']} before training started: no new checkpoint; requeueing "
+              f"job {job}, which starts from {start}", flush=True)
+        return REQUEUE_EXIT
+    no_progress.unlink(missing_ok=True)
+    if srun_rc == 0:
+        print(f"finetune: finished: model published in {run_dir / 'model'}", flush=True)
+        return 0
+    good = last_committed(run_dir / "checkpoints", quiet=True)
+    print(f"finetune: training failed (srun exit {srun_rc}); not requeued. "
+          + (f"Last committed checkpoint: {good}; resubmitting the same command resumes from it."
+             if good else "No checkpoint was committed; resubmitting starts from the beginning."), flush=True)
+    return srun_rc
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "preflight":
+        return preflight(argv[1], argv[2:])
+    if len(argv) >= 2 and argv[0] == "torchrun":
+        return torchrun(Path(argv[1]), argv[2:])
+    if len(argv) == 3 and argv[0] == "outcome":
+        return outcome(Path(argv[1]), int(argv[2]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,156 @@
+"""slurm/*.sbatch on a real two-node SLURM cluster (scripts/slurm_local_cluster.sh): prepare -> finetune on 2 nodes
+x 1 CPU process (ZeRO-3 over gloo) -> a time-limit USR1 mid-run -> committed checkpoint -> automatic requeue ->
+resume -> the same per-step losses as an uninterrupted run -> quantize. Also a USR1 while the workers start, and
+scancel mid-run followed by a manual resubmit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import REPO, start_cluster, wait_until
+
+pytestmark = pytest.mark.integration
+STEPS = 8
+COMMON = ["train.logging_steps=1", f"train.max_steps={STEPS}", "train.save_steps=2"]
+NODES = ["--nodes=2", "--time=30"]  # a time limit, so the deadline path is wired (30 min: never reached here)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster, stop = start_cluster(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    stop()
+
+
+def metrics(out: Path) -> list[dict]:
+    f = out / "train" / "metrics.jsonl"
+    return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+
+
+def last_step(out: Path) -> int:
+    rows = metrics(out)
+    return rows[-1]["step"] if rows else 0
+
+
+def assert_matches_reference(reference: Path, out: Path) -> None:
+    a, b = metrics(reference), metrics(out)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1)), "every step exactly once"
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-6), (x, y)
+
+
+def finetune(slurm, out: Path) -> str:
+    return slurm.sbatch(*NODES, "slurm/finetune.sbatch", "tiny", f"output_dir={out}", *COMMON, "train.cpu_procs=1")
+
+
+@pytest.fixture(scope="module")
+def prepared(slurm, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("slurm_run")
+    job = slurm.sbatch("slurm/prepare.sbatch", "tiny", f"output_dir={out}")
+    info = slurm.wait_final(job)
+    assert info["JobState"] == "COMPLETED", slurm.log_tail(job, "zerotune-prepare")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(prepared, tmp_path_factory) -> Path:
+    """The same run uninterrupted, by `zerotune train` on one machine (2 CPU processes: the same world size)."""
+    out = tmp_path_factory.mktemp("slurm_reference")
+    shutil.copytree(prepared / "data", out / "data")
+    p = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={out}", *COMMON,
+                        "train.cpu_procs=2"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out
+
+
+def test_time_limit_warning_commits_requeues_resumes_and_quantizes(slurm, prepared, reference):
+    run = prepared
+    job = finetune(slurm, run)
+    wait_until(lambda: last_step(run) >= 3, "step 3")
+    slurm.run("scancel", "--signal=USR1", "--batch", job)  # what SLURM's --signal=B:USR1@900 does
+    info = slurm.wait_final(job, restarts=1)
+    log = slurm.log(job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
+    first, second = log.split("finetune: job {} attempt 2".format(job))
+    assert "finetune: SIGUSR1 (time-limit warning)" in first
+    assert first.count("SIGUSR1 -> worker pid") == 2, "one worker on each node, signalled by pid"
+    step = int(re.search(r"train: SIGUSR1 received: checkpointing at step (\d+) and stopping", first).group(1))
+    assert 3 <= step < STEPS
+    ckpt = run / "checkpoints" / f"checkpoint-{step}"  # rotated away by the end: the log is the record
+    assert f"checkpoint: committed checkpoint-{step}" in first
+    assert (f"finetune: stopped by SIGUSR1 at step {step}: checkpoint committed ({ckpt}); requeueing job {job}"
+            in first)
+    assert "Traceback" not in log
+    assert f"train: resuming from committed checkpoint {ckpt}" in second
+    assert second.rstrip().endswith(f"finetune: finished: model published in {run / 'model'}")
+    assert_matches_reference(reference, run)
+
+    q = slurm.sbatch("--mem=4G", "slurm/quantize.sbatch", "tiny", f"output_dir={run}")
+    info = slurm.wait_final(q)
+    assert info["JobState"] == "COMPLETED", slurm.log_tail(q, "zerotune-quantize")
+    assert (run / "gguf" / "tiny-q8_0.gguf").stat().st_size > 0
+
+
+def test_usr1_at_startup_then_scancel_then_resubmit(slurm, prepared, reference, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(prepared / "data", run / "data")
+    job = finetune(slurm, run)
+    pids = run / "train" / "pids" / f"job{job}"
+    # the first worker has its handler: it is loading the model, initialising DeepSpeed, nowhere near a step
+    wait_until(lambda: pids.exists() and any(pids.glob("*.pid")), "a registered worker", interval=0.1)
+    slurm.run("scancel", "--signal=USR1", "--batch", job)
+    wait_until(lambda: "attempt 2" in slurm.log(job), "the requeued attempt")
+    first = slurm.log(job).split(f"finetune: job {job} attempt 2")[0]
+    assert last_step(run) == 0 and not (run / "checkpoints").exists(), "stopped before training"
+    assert "Traceback" not in first, first[-4000:]
+    assert not re.search(r"checkpoint committed|committed checkpoint|checkpoint: committed", first), first[-4000:]
+    assert "train: SIGUSR1 received before the first step: stopping without a new checkpoint" in first
+    assert (f"finetune: stopped by SIGUSR1 before training started: no new checkpoint; requeueing job {job}, "
+            "which starts from the beginning") in first
+
+    # The requeued attempt trains; scancel it mid-run (SIGTERM to every process, then SIGKILL).
+    wait_until(lambda: (run / "checkpoints" / "checkpoint-2" / "zerotune_commit.json").exists() and last_step(run) >= 3,
+               "checkpoint-2 committed and step 3")
+    slurm.run("scancel", job)
+    info = slurm.wait_final(job, restarts=1)
+    assert info["JobState"] == "CANCELLED", info
+    wait_until(lambda: not _alive(pids), "the workers to exit")
+    from zerotune.checkpoint import last_committed
+
+    resume = last_committed(run / "checkpoints", quiet=True)
+    assert resume is not None and 2 <= int(resume.name.split("-")[1]) < STEPS
+
+    again = finetune(slurm, run)  # the same command, by hand
+    info = slurm.wait_final(again)
+    log = slurm.log(again)
+    assert info["JobState"] == "COMPLETED", log[-4000:]
+    assert f"train: resuming from committed checkpoint {resume}" in log
+    assert_matches_reference(reference, run)
+
+
+def _alive(pids: Path) -> bool:
+    return any(Path(f"/proc/{f.read_text().strip()}").exists() for f in pids.glob("*.pid"))
+
+
+def test_deadline_stops_at_a_step_boundary_with_a_commit(prepared, tmp_path):
+    """ZEROTUNE_DEADLINE already passed: no time for another step, so the workers commit after step 1 and exit 75."""
+    run = tmp_path / "run"
+    shutil.copytree(prepared / "data", run / "data")
+    env = {**os.environ, "ZEROTUNE_DEADLINE": str(int(time.time()))}
+    p = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *COMMON,
+                        "train.cpu_procs=2"], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    log = p.stdout + p.stderr
+    assert p.returncode == 75, log[-3000:]
+    assert "checkpointing at step 1 and stopping" in log
+    stopped = json.loads((run / "train" / "stopped.json").read_text())
+    assert stopped == {"step": 1, "signal": "deadline", "checkpoint": str(run / "checkpoints" / "checkpoint-1"),
+                       "committed": True}
+    assert "train: stopped on deadline at step 1 with committed checkpoint" in log
