@@ -79,6 +79,34 @@ def test_regex_set_without_pattern_is_refused(tmp_path):
     assert load_rows(EvalSetCfg(name="s", path=str(p), scorer="regex", pattern="(x)"))[0]["answer"] == "x"
 
 
+def test_local_lm_eval_task_scores_with_zerotunes_scorer(tmp_path):
+    import importlib.util
+
+    import yaml
+
+    from zerotune.config import EvalSetCfg, load_recipe
+    from zerotune.errors import UserError
+    from zerotune.evaluate import write_local_task
+
+    es = EvalSetCfg(name="f", path="f.jsonl", scorer="regex", pattern="^(You said):", max_new_tokens=7)
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+             "answer": "You said"}]
+    d = write_local_task(load_recipe("tiny"), es, rows, "<|eot_id|>", tmp_path / "task")
+    task = yaml.load((d / "zerotune_heldout.yaml").read_text().replace("!function", ""), Loader=yaml.SafeLoader)
+    assert task["description"] == "Be brief." and task["generation_kwargs"]["until"] == ["<|eot_id|>"]
+    assert task["generation_kwargs"]["max_gen_toks"] == 7
+    assert json.loads((d / "data.jsonl").read_text()) == {"prompt": "hi", "answer": "You said"}
+    spec = importlib.util.spec_from_file_location("task_utils", d / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    assert utils.process_results({"answer": "You said"}, ["You said: hi"]) == {"score": 1.0}
+    assert utils.process_results({"answer": "You said"}, ["I said: hi"]) == {"score": 0.0}
+    multi = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                           {"role": "user", "content": "c"}], "answer": "x"}]
+    with pytest.raises(UserError, match="row 1: .*one user message"):
+        write_local_task(load_recipe("tiny"), es, multi, None, tmp_path / "task2")
+
+
 def test_missing_model_is_a_user_error_naming_the_stage(tmp_path):
     proc = _eval(tmp_path)
     assert proc.returncode == 2, proc.stderr
@@ -88,13 +116,13 @@ def test_missing_model_is_a_user_error_naming_the_stage(tmp_path):
 # -- integration ----------------------------------------------------------------------------------------------
 
 @pytest.mark.integration
-def test_eval_base_hf_gguf_side_by_side(tiny_eval_run, tmp_path):
+def test_eval_base_hf_gguf_side_by_side_and_lm_eval(tiny_eval_run, tmp_path):
     out, _ = tiny_eval_run
     fmt = _format_set(tmp_path)
-    sets = (f"eval.sets=[{{name: task, path: data/tiny/heldout.jsonl, scorer: exact, max_new_tokens: 12, limit: 30}},"
-            f" {{name: format, path: {fmt}, scorer: regex, pattern: '^(You said):', max_new_tokens: 12,"
-            f" max_drop: 0.0}}]")
-    proc = _eval(out, sets)
+    sets = (f"eval.sets=[{{name: format, path: {fmt}, scorer: regex, pattern: '^(You said):', max_new_tokens: 12,"
+            f" max_drop: 0.0}}, {{name: task, path: data/tiny/heldout.jsonl, scorer: exact, max_new_tokens: 12,"
+            f" limit: 30}}]")
+    proc = _eval(out, sets, "eval.lm_eval_tasks=[zerotune_heldout]")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "eval" / "eval.json").read_text())
     table = {t["set"]: t for t in res["table"]}
@@ -106,6 +134,14 @@ def test_eval_base_hf_gguf_side_by_side(tiny_eval_run, tmp_path):
     assert sum(agree) >= 27
     assert (out / "eval" / "eval.png").stat().st_size > 0
     assert "format" in proc.stdout and "GGUF" in proc.stdout
+    # lm-evaluation-harness on the local task built from the first set (hf backend; the GGUF through zerotune's
+    # server): the same scorer on the same prompts, so it must reproduce zerotune's own numbers
+    lm = res["lm_eval"]["tasks"]["zerotune_heldout"]
+    assert lm["n"] == 30
+    assert lm["hf"] == pytest.approx(table["format"]["hf"], abs=0.05)
+    assert lm["gguf"] == pytest.approx(table["format"]["gguf"], abs=0.05)
+    assert abs(lm["hf"] - lm["gguf"]) <= 0.1
+    assert "lm-eval zerotune_heldout" in proc.stdout
 
 
 @pytest.mark.integration

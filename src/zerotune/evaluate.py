@@ -65,9 +65,19 @@ def _score_all(es: EvalSetCfg, preds: list[str], rows: list[dict]) -> tuple[floa
     return sum(per) / len(per), per
 
 
+def _identity(path: Path) -> str:
+    """Which weights these are, cheaply: name, size and mtime of the weight files (a retrained or requantized
+    model changes them)."""
+    files = [path] if path.is_file() else sorted([*path.glob("*.safetensors"), path / "config.json"])
+    return json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()])
+
+
 def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[dict]]) -> dict:
     """{set: {model: {"score", "answers", "seconds"}}} for base, fine-tuned HF and GGUF, one model in memory
-    at a time."""
+    at a time. Answers are cached in runs/<r>/eval/answers.json by (weights, prompts, max_new_tokens), so
+    `check` and `eval` on the same models generate once (greedy decoding: the same inputs give the same text)."""
+    import hashlib
+
     from .check import base_model_for_check, gguf_answers, hf_generate, load_gguf, load_hf
     from .quantize import gguf_path
     from .train import final_model_dir
@@ -77,23 +87,41 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
         raise MissingInputError(f"{models['hf']}: no fine-tuned model; run `zerotune train {r.name}` first.")
     if not models["gguf"].exists():
         raise MissingInputError(f"{models['gguf']}: no GGUF; run `zerotune quantize {r.name}` first.")
+    cache_file = eval_dir(r) / "answers.json"
+    cache = mf.read(cache_file) or {}
+    keys = {(which, es.name): hashlib.sha256(json.dumps([which, _identity(Path(models[which])), rows_by_set[es.name],
+                                                         es.max_new_tokens]).encode()).hexdigest()[:16]
+            for which in models for es in sets}
     res: dict = {es.name: {} for es in sets}
-    for which in ("base", "hf"):
-        model, tok, stop = load_hf(models[which])
+    for which in models:
+        todo = [es for es in sets if keys[which, es.name] not in cache]
         for es in sets:
-            t0 = time.perf_counter()
-            preds = hf_generate(model, tok, stop, rows_by_set[es.name], es.max_new_tokens)
-            res[es.name][which] = {"answers": preds, "seconds": round(time.perf_counter() - t0, 2)}
-        del model
-    llm = load_gguf(models["gguf"], n_ctx=min(r.check.n_ctx, 4096), logits_all=False,
-                    n_gpu_layers=r.check.n_gpu_layers)
-    try:
-        for es in sets:
-            t0 = time.perf_counter()
-            preds, _ = gguf_answers(llm, rows_by_set[es.name], es.max_new_tokens)
-            res[es.name]["gguf"] = {"answers": preds, "seconds": round(time.perf_counter() - t0, 2)}
-    finally:
-        llm.close()  # its __del__ at interpreter exit raises
+            if es not in todo:
+                res[es.name][which] = dict(cache[keys[which, es.name]], cached=True)
+        if not todo:
+            continue
+        if which == "gguf":
+            # a held-out prompt is at most a training row long; the answer comes on top
+            llm = load_gguf(models["gguf"], n_ctx=r.data.seq_len + max(es.max_new_tokens for es in todo),
+                            logits_all=False, n_gpu_layers=r.check.n_gpu_layers)
+            try:
+                for es in todo:
+                    t0 = time.perf_counter()
+                    preds, finish = gguf_answers(llm, rows_by_set[es.name], es.max_new_tokens)
+                    res[es.name][which] = {"answers": preds, "finish": finish,
+                                           "seconds": round(time.perf_counter() - t0, 2)}
+            finally:
+                llm.close()  # its __del__ at interpreter exit raises
+        else:
+            model, tok, stop = load_hf(models[which])
+            for es in todo:
+                t0 = time.perf_counter()
+                preds = hf_generate(model, tok, stop, rows_by_set[es.name], es.max_new_tokens)
+                res[es.name][which] = {"answers": preds, "seconds": round(time.perf_counter() - t0, 2)}
+            del model
+        for es in todo:
+            cache[keys[which, es.name]] = res[es.name][which]
+        mf.write(cache_file, cache)
     for es in sets:
         for which, v in res[es.name].items():
             v["score"], v["per_row"] = _score_all(es, v["answers"], rows_by_set[es.name])
@@ -105,9 +133,11 @@ def evaluate(r: Recipe) -> int:
     if not sets:
         raise UserError(f"recipe {r.name}: nothing to evaluate; add eval.sets (name, path, scorer) or data.heldout.")
     rows_by_set = {es.name: load_rows(es) for es in sets}
-    lm = run_lm_eval(r) if r.eval.lm_eval_tasks else None  # refuses before minutes of generation, not after
+    if r.eval.lm_eval_tasks:
+        require_lm_eval(r)  # refuse before minutes of generation, not after
     t0 = time.time()
     scored = score_models(r, sets, rows_by_set)
+    lm = run_lm_eval(r, sets[0], rows_by_set[sets[0].name]) if r.eval.lm_eval_tasks else None
     failures = []
     table = []
     for es in sets:
@@ -144,7 +174,8 @@ def format_table(table: list[dict], lm: dict | None = None) -> str:
         lines.append(f"{t['set']:<14} {t['scorer']:<11} {t['n']:>5} {t['base']:>7.3f} {t['hf']:>7.3f} "
                      f"{t['gguf']:>7.3f}")
     for task, v in (lm or {}).get("tasks", {}).items():
-        lines.append(f"{'lm-eval ' + task:<26} {v.get('n', 0):>5} {'':>7} {v['hf']:>7.3f} {v['gguf']:>7.3f}")
+        lines.append(f"{'lm-eval ' + task:<26} {v.get('n') or 0:>5} {'':>7} {v['hf'] or 0:>7.3f} "
+                     f"{v['gguf'] or 0:>7.3f}")
     return "\n".join(lines)
 
 
@@ -171,13 +202,134 @@ def plot(table: list[dict], png: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run_lm_eval(r: Recipe) -> dict:
-    """lm-evaluation-harness on the HF model and, through zerotune's server, the GGUF. Not wired yet: refuse
-    clearly instead of skipping the tasks the recipe asked for."""
+
+LOCAL_TASK = "zerotune_heldout"
+_TASK_UTILS = """# Written by zerotune eval: the local task scores with zerotune's own scorer, so lm-eval and `zerotune eval`
+# agree on what counts as correct.
+from zerotune.scorers import score
+
+SCORER, PATTERN = {scorer!r}, {pattern!r}
+
+
+def process_results(doc, results):
+    row = {{"answer": doc["answer"], **({{"pattern": doc["pattern"]}} if doc.get("pattern") else {{}})}}
+    return {{"score": score(SCORER, results[0].strip(), row, PATTERN)}}
+"""
+
+
+def require_lm_eval(r: Recipe) -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError:
-        raise UserError(f"eval.lm_eval_tasks={r.eval.lm_eval_tasks}: lm-evaluation-harness is not installed in "
-                        f"this environment; set eval.lm_eval_tasks: [] (the held-out sets still run).") from None
-    raise UserError("eval.lm_eval_tasks: running lm-evaluation-harness from zerotune is not implemented yet; "
-                    "set eval.lm_eval_tasks: [].")
+        raise UserError(f"eval.lm_eval_tasks={r.eval.lm_eval_tasks}: lm-evaluation-harness is not installed; run "
+                        f"`make setup` (requirements.lock pins lm_eval), or set eval.lm_eval_tasks: [].") from None
+
+
+def write_local_task(r: Recipe, es: EvalSetCfg, rows: list[dict], turn_end: str | None, out: Path) -> Path:
+    """An lm-eval task from the first eval set: YAML + JSONL + a process_results that calls scorers.score.
+    Prompts are single user turns; a system message shared by every row becomes the task's description, which
+    lm-eval sends as the system turn under apply_chat_template."""
+    systems = set()
+    docs = []
+    for i, row in enumerate(rows, 1):
+        msgs = row["messages"]
+        sys_msgs = [m for m in msgs if m.get("role") == "system"]
+        rest = [m for m in msgs if m.get("role") != "system"]
+        if len(rest) != 1 or rest[0].get("role") != "user" or len(sys_msgs) > 1:
+            raise UserError(f"{es.path} row {i}: the lm-eval task '{LOCAL_TASK}' needs one user message (+ at most "
+                            f"one system message) per row; this set has multi-turn prompts. Leave '{LOCAL_TASK}' "
+                            f"out of eval.lm_eval_tasks or put single-turn prompts first in eval.sets.")
+        systems.add(sys_msgs[0]["content"] if sys_msgs else None)
+        docs.append({"prompt": rest[0]["content"], "answer": row["answer"],
+                     **({"pattern": row["pattern"]} if row.get("pattern") else {})})
+    if len(systems) > 1:
+        raise UserError(f"{es.path}: rows have different system messages; the lm-eval task '{LOCAL_TASK}' can carry "
+                        f"one (its description).")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "data.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (out / "utils.py").write_text(_TASK_UTILS.format(scorer=es.scorer, pattern=es.pattern))
+    system = systems.pop()
+    gen = {"until": [turn_end] if turn_end else [], "do_sample": False, "max_gen_toks": es.max_new_tokens}
+    task = {"task": LOCAL_TASK, "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(out / "data.jsonl")}}, "test_split": "test",
+            "output_type": "generate_until", "doc_to_text": "{{prompt}}", "doc_to_target": "{{answer}}",
+            "generation_kwargs": gen, "num_fewshot": 0,
+            "metric_list": [{"metric": "score", "aggregation": "mean", "higher_is_better": True}],
+            **({"description": system} if system else {})}
+    import yaml
+    text = yaml.safe_dump(task, sort_keys=False) + "process_results: !function utils.process_results\n"
+    (out / f"{LOCAL_TASK}.yaml").write_text(text)
+    return out
+
+
+def _metrics_of(res: dict) -> dict:
+    """{task: {metric: value}} from simple_evaluate's results, numbers only (stderr dropped)."""
+    return {task: {k.split(",")[0]: v for k, v in m.items() if isinstance(v, (int, float)) and "stderr" not in k
+                   and k != "alias"} for task, m in res["results"].items()}
+
+
+def run_lm_eval(r: Recipe, es: EvalSetCfg, rows: list[dict]) -> dict:
+    """The same lm-eval tasks on the fine-tuned HF model (hf backend) and on the GGUF through zerotune's own
+    OpenAI-compatible server (local-chat-completions), both with the chat template applied."""
+    import os
+    import socket
+    import threading
+
+    import uvicorn
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    from .gguf_checks import hf_end_tokens
+    from .serve import build_app
+    from .train import final_model_dir
+
+    model_dir = final_model_dir(r)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    turn_end = hf_end_tokens(tok, model_dir)["turn_end_id"]
+    task_dir = write_local_task(r, es, rows, tok.decode([turn_end]) if turn_end is not None else None,
+                                eval_dir(r) / "lm_eval_task")
+    tm = TaskManager(include_path=str(task_dir))
+    common = {"tasks": list(r.eval.lm_eval_tasks), "task_manager": tm, "limit": r.eval.lm_eval_limit,
+              "apply_chat_template": True, "log_samples": False, "bootstrap_iters": 0, "batch_size": 1}
+    out: dict = {"tasks": {}, "task_dir": str(task_dir)}
+    t0 = time.perf_counter()
+    hf = simple_evaluate(model="hf", model_args={"pretrained": str(model_dir), "dtype": "float32", "device": "cpu"},
+                         **common)
+    out["hf_seconds"] = round(time.perf_counter() - t0, 1)
+
+    app, settings = build_app(r)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    old_key = os.environ.get("OPENAI_API_KEY")
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"zerotune's server did not start on 127.0.0.1:{port}")
+            time.sleep(0.1)
+        if settings.api_key:
+            os.environ["OPENAI_API_KEY"] = settings.api_key  # lm-eval's client reads it from there
+        t0 = time.perf_counter()
+        gg = simple_evaluate(model="local-chat-completions",
+                             model_args={"model": r.name, "base_url": f"http://127.0.0.1:{port}/v1/chat/completions",
+                                         "num_concurrent": 1, "max_retries": 1, "tokenized_requests": False},
+                             **common)
+        out["gguf_seconds"] = round(time.perf_counter() - t0, 1)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        if old_key is None:
+            os.environ.pop("OPENAI_API_KEY", None)
+        else:
+            os.environ["OPENAI_API_KEY"] = old_key
+    hm, gm = _metrics_of(hf), _metrics_of(gg)
+    for task in hm:
+        metric = "score" if "score" in hm[task] else next(iter(hm[task]), None)
+        out["tasks"][task] = {"metric": metric, "hf": hm[task].get(metric), "gguf": gm.get(task, {}).get(metric),
+                              "n": hf.get("n-samples", {}).get(task, {}).get("effective"),
+                              "all_hf": hm[task], "all_gguf": gm.get(task, {})}
+    return out
