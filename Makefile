@@ -40,9 +40,14 @@ demo: setup  ## the whole chain on CPU: prepare -> finetune -> quantize -> check
 	$(ZT) train $(RECIPE) $(ARGS)
 	$(ZT) quantize $(RECIPE) $(ARGS)
 	$(ZT) check $(RECIPE) $(ARGS)
+	@# where the result is and what to run next; on stderr, so the JSON summary stays the last line of stdout
+	@$(PY) -c 'import sys; from zerotune.config import load_recipe; from zerotune.quantize import gguf_path; \
+	r = load_recipe(sys.argv[1], sys.argv[2:]); a = " ".join(sys.argv[2:]); \
+	print(f"demo: done; the GGUF is {gguf_path(r)}\nnext: make serve RECIPE={sys.argv[1]}" + (f" ARGS=\"{a}\"" if a else "") \
+	+ f"   # OpenAI-compatible API on http://{r.serve.host}:{r.serve.port}/v1", file=sys.stderr)' $(RECIPE) $(ARGS)
 
 test: setup  ## all tests, integration included (what CI runs)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests  # the 25 slowest tests close every run: the CI budget, watched
 
 test-fast: setup  ## unit tests only (seconds)
 	$(PY) -m pytest -q -m "not integration" tests

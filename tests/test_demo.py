@@ -13,11 +13,35 @@ from test_train_integration import REPO
 pytestmark = pytest.mark.integration
 
 
+# third-party lines zerotune silences at their source (src/zerotune/quiet.py, train.py): none may come back
+NOISE = ["Traceback", "is deprecated", "Setting accelerator to CPU", "Gradient accumulation steps mismatch",
+         "n_ctx_train (0)", "built successfully", "OMP_NUM_THREADS", "gemm_4bit_forward", "{'loss'", "'train_runtime'",
+         "Writing model shards", "clean_up_tokenization_spaces"]
+
+
+def assert_readable_log(proc, recipe, out):
+    """What a person reads: short, each step once, progress with time left, and where to go next at the end."""
+    log = proc.stdout + proc.stderr
+    lines = log.splitlines()
+    assert len(lines) < 150, f"{len(lines)} lines:\n" + log[-5000:]
+    for noise in NOISE:
+        assert noise not in log, (noise, log[-5000:])
+    steps = [x.split(",")[0] for x in lines if x.startswith("train: step ")]
+    assert steps and len(steps) == len(set(steps)), steps  # every logged step printed once
+    assert "train: 100% (" in proc.stderr and " left" in proc.stderr  # progress in a log file: one line per 10%
+    for stage in ("prepare", "train", "quantize", "check"):
+        assert f"== zerotune {stage} {recipe}: " in proc.stdout
+    *_, done, nxt = proc.stderr.strip().splitlines()
+    assert done == f"demo: done; the GGUF is {out / 'gguf' / f'{recipe}-q8_0.gguf'}", done
+    assert nxt.startswith(f'next: make serve RECIPE={recipe} ARGS="output_dir={out}"'), nxt
+
+
 @pytest.mark.parametrize("recipe", ["tiny", "tiny_qlora"])
 def test_make_demo(tmp_path, recipe):
     proc = subprocess.run(["make", "-s", "demo", f"RECIPE={recipe}", f"ARGS=output_dir={tmp_path}"], cwd=REPO,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_readable_log(proc, recipe, tmp_path)
     last = proc.stdout.strip().splitlines()[-1]
     summary = json.loads(last)
     assert summary["base_accuracy"] <= 0.1
