@@ -86,7 +86,8 @@ def finalize(r: Recipe) -> dict:
     mf.write(r.out / "train" / "manifest.json", manifest)
     mf.write_resolved_recipe(r.out / "train", r)
     plot_curves(r.out / "train" / "metrics.jsonl", r.out / "train" / "curves.png")
-    print(f"train: done in {run.get('elapsed_s', 0):.0f}s; loss {manifest['first_loss']} -> {manifest['final_loss']}; "
+    losses = " -> ".join(f"{x:.4f}" if x is not None else "n/a" for x in (manifest["first_loss"], manifest["final_loss"]))
+    print(f"train: done in {run.get('elapsed_s', 0):.0f}s; loss {losses}; "
           f"verified and published {out} ({report['params']:,} parameters, max |logit diff| after reload "
           f"{report['max_abs_logit_diff']:.2e})", flush=True)
     return manifest
