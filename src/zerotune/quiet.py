@@ -29,6 +29,10 @@ LOG_LINES = [
 WARNINGS = [
     (r"`torch\.distributed\.all_gather_into_tensor` is deprecated", FutureWarning, r"torch\.distributed\.c10d_logger",
      "DeepSpeed 0.19 calls this torch API on every ZeRO-3 parameter gather: hundreds of identical lines per run"),
+    (r"`(gradient_checkpointing_enable|is_gradient_checkpointing)` is deprecated", FutureWarning,
+     r"transformers\.modeling_utils", "peft (QLoRA's prepare_model_for_kbit_training) still calls the old names"),
+    (r"OMP_NUM_THREADS/MKL_NUM_THREADS unset, we set it at", UserWarning, r"accelerate\.state",
+     "one CPU process (QLoRA): accelerate picks one thread per physical core, as intended"),
 ]
 
 
