@@ -123,9 +123,14 @@ def test_serve_without_a_gguf(tmp_path, capfd):
     assert_one_message(rc, err, str(tmp_path / "gguf"), "make quantize RECIPE=tiny")
 
 
-def test_plan_that_does_not_fit_is_a_user_error(tmp_path, capfd):
+def test_unknown_plan_gpu_is_a_user_error(tmp_path, capfd):
     rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path}", "plan.gpu=v101")
     assert_one_message(rc, err, "plan.gpu 'v101' unknown")
+
+
+def test_hardware_that_cannot_do_the_precision_is_a_user_error(tmp_path, capfd):
+    rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path}", "train.precision=fp16")
+    assert_one_message(rc, err, "precision fp16 requested on CPU")
 
 
 def test_debug_shows_the_traceback(tmp_path, capfd, monkeypatch):
