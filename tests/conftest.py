@@ -80,14 +80,12 @@ def tiny_trained_40(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_eval_run(tmp_path_factory, tiny_trained_40):
-    """The same run with validation + samples every 10 steps, then quantized to Q8_0: (run folder, log)."""
-    import shutil
-
-    ref, _ = tiny_trained_40
+def tiny_eval_run(tmp_path_factory):
+    """The same run (same data, same deterministic init) with validation + samples every 10 steps, then
+    quantized to Q8_0: (run folder, log). Independent of tiny_trained_40, so `zerotune eval` tests alone
+    train once."""
     out = tmp_path_factory.mktemp("tiny_eval_run")
-    for part in ("data", "base"):  # same prepared data and init (same fingerprints): no re-prepare
-        shutil.copytree(ref / part, out / part)
+    _zt("prepare", "tiny", f"output_dir={out}")
     log = _zt("train", "tiny", f"output_dir={out}", *TINY_STEPS, "train.eval_steps=10")
     _zt("quantize", "tiny", f"output_dir={out}")
     return out, log
