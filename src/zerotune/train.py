@@ -267,6 +267,7 @@ def worker(r: Recipe) -> None:
     from . import faults
     from .checkpoint import (REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopBeforeTraining, describe_failure,
                              discard_after, last_committed, step_of)
+    from .evaluation import EvalDuringTraining
     from .metrics import StepMetrics, flops_per_token, plot_curves
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -330,7 +331,7 @@ def worker(r: Recipe) -> None:
     collate = _collate_packed if r.data.packing else _make_collate_padded(data_manifest["pad_token_id"])
     commit = CommitCheckpoints(r.train.save_total_limit)
     trainer = Trainer(model=model, args=args, train_dataset=train_ds, data_collator=collate,
-                      callbacks=[metrics, stop, commit, *faults.callbacks(model)])
+                      callbacks=[metrics, EvalDuringTraining(r, metrics), stop, commit, *faults.callbacks(model)])
     metrics.attach(trainer)
     metrics.count_labels(model)
     resume = last_committed(checkpoints_dir(r), quiet=rank != 0)
