@@ -12,7 +12,9 @@ reference field is equal.
 
 Retention: short factual questions (capitals, arithmetic, common knowledge) answered by the
 base model, scored by `contains` on the reference word. They share nothing with the task; the
-fine-tuned model must keep answering them (check enforces eval's max_drop on this set).
+fine-tuned model must keep answering them (check enforces eval's max_drop on this set). The set is not
+filtered by the base model's answers: SmolLM2-135M gets about three quarters right, and the number that matters
+is the difference. Numbers accept digits or words (a list of references: any match counts).
 
 Run: python scripts/make_smollm2_data.py   (output is committed; rerunning is deterministic)
 """
@@ -23,13 +25,17 @@ from pathlib import Path
 
 FIRST = ("Anna Ben Carla David Elena Felix Greta Hugo Ines Jonas Klara Leo Maria Nils Olga Paul Rosa Sven Tara "
          "Umar Vera Walter Yara Zoe Amir Bianca Carlos Dora Emil Farah Gino Hanna Igor Julia Karim Lucia Marco "
-         "Nora Oscar Pia").split()
+         "Nora Oscar Pia Agnes Bertil Cosima Dagny Eskil Frida Gunnar Helka Ingmar Jutta Kasimir Liesel Magnus "
+         "Ottilie Quirin Runa Sigrid Thorsten Ulla Viggo Wilma Xaver Ylva Zenobia Aurelio Benedikta Cyrus Delphine "
+         "Evander Fiorella Gideon Hortense Isidor Jolanda Leopold Marisol Nikodem Orsolya").split()
 LAST = ("Smith Weber Rossi Novak Jensen Costa Silva Berg Keller Moreau Fischer Romano Larsen Horvat Nowak Dubois "
         "Schmidt Ferrari Lindqvist Kowalski Santos Meyer Conti Hansen Martin Bauer Ricci Nielsen Dvorak Garcia").split()
 CITIES = ("Paris Berlin Madrid Rome Vienna Prague Oslo Dublin Lisbon Athens Warsaw Zurich Munich Milan Lyon "
           "Hamburg Seville Naples Krakow Bergen Geneva Turin Bordeaux Valencia Cologne").split()
 JOBS = ("teacher nurse baker pilot lawyer farmer chef dentist plumber architect painter journalist librarian "
-        "mechanic pharmacist carpenter engineer florist butcher tailor").split()
+        "mechanic pharmacist carpenter engineer florist butcher tailor locksmith beekeeper cartographer "
+        "upholsterer veterinarian blacksmith stonemason bookbinder clockmaker farrier glassblower saddler "
+        "chandler cooper tanner weaver optician midwife surveyor typesetter").split()
 # held out: never seen in training
 H_FIRST = "Astrid Bruno Celia Dario Edith Fabian Gloria Henrik Ilse Jasper Kira Lorenzo Mira Otto Selma".split()
 H_LAST = "Vogel Marino Eriksen Kral Lambert Moretti Olsen Pereira Szabo Winter".split()
@@ -67,10 +73,10 @@ RETENTION = [
     ("What is the chemical formula for water?", "H2O"),
     ("What gas do plants absorb from the air?", "carbon dioxide"),
     ("What is the boiling point of water in degrees Celsius?", "100"),
-    ("How many days are there in a week?", "seven"),
-    ("How many continents are there?", "seven"),
-    ("What is 2 + 2?", "4"),
-    ("What is 10 times 10?", "100"),
+    ("How many days are there in a week?", ["seven", "7"]),
+    ("How many continents are there?", ["seven", "7"]),
+    ("What is 2 + 2?", ["4", "four"]),
+    ("What is 10 times 10?", ["100", "one hundred"]),
     ("Who wrote Romeo and Juliet?", "Shakespeare"),
     ("Who painted the Mona Lisa?", "Leonardo"),
     ("What is the largest ocean on Earth?", "Pacific"),
@@ -79,18 +85,18 @@ RETENTION = [
     ("What color is the sky on a clear day?", "blue"),
     ("What do bees make?", "honey"),
     ("What is the opposite of hot?", "cold"),
-    ("What is the freezing point of water in degrees Celsius?", "0"),
+    ("What is the freezing point of water in degrees Celsius?", ["0", "zero"]),
     ("Which animal is known as the king of the jungle?", "lion"),
     ("What is the main language spoken in Brazil?", "Portuguese"),
     ("What is the currency of Japan?", "yen"),
     ("Which star is at the center of our solar system?", "Sun"),
     ("What organ pumps blood through the human body?", "heart"),
-    ("How many legs does a spider have?", "eight"),
-    ("What is the square root of 9?", "3"),
+    ("How many legs does a spider have?", ["eight", "8"]),
+    ("What is the square root of 9?", ["3", "three"]),
     ("Who was the first person to walk on the Moon?", "Armstrong"),
     ("In which country are the pyramids of Giza?", "Egypt"),
     ("What is the hardest natural substance?", "diamond"),
-    ("What is the smallest prime number?", "2"),
+    ("What is the smallest prime number?", ["2", "two"]),
 ]
 
 
@@ -109,7 +115,7 @@ def main() -> None:
     out = Path(__file__).resolve().parents[1] / "data" / "smollm2"
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train.jsonl", "w") as f:
-        for _ in range(1500):
+        for _ in range(2000):
             prompt, answer = example(rng, person(rng, FIRST, LAST, CITIES, JOBS), TRAIN_SHAPES)
             f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
                                              {"role": "assistant", "content": answer}]}) + "\n")

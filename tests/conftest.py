@@ -55,7 +55,8 @@ def tiny_gguf(tmp_path_factory, tiny_model_dir) -> Path:
     return out
 
 
-def _zt(*args: str, timeout: int = 1200) -> str:
+def zt(*args: str, timeout: int = 1200):
+    """`python -m zerotune ARGS` as a user runs it, from the repo root; fails the test with the log tail."""
     import subprocess
     import sys
 
@@ -64,7 +65,27 @@ def _zt(*args: str, timeout: int = 1200) -> str:
     if proc.returncode != 0:
         raise AssertionError(f"zerotune {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
+    return proc
+
+
+def _zt(*args: str, timeout: int = 1200) -> str:
+    proc = zt(*args, timeout=timeout)
     return proc.stdout + proc.stderr
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The per-step training rows of a run folder (validation rows have no loss)."""
+    import json
+
+    return [r for r in map(json.loads, (out / "train" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 TINY_STEPS = ["train.logging_steps=1", "train.max_steps=40"]

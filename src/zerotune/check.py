@@ -1,8 +1,13 @@
 """`zerotune check RECIPE`: does the GGUF behave like the HF model, and does it fit a T4?
 
-1. Held-out chat prompts answered greedily by the untrained base, the trained HF
-   model and the GGUF (through the GGUF's own chat template, stopping at the
-   end-of-turn token); exact-match accuracy for each.
+1. Every held-out set (`eval.sets`, or `data.heldout` scored exact) answered
+   greedily by the base model, the fine-tuned HF model and the GGUF (through
+   the GGUF's own chat template, stopping at its end-of-turn token), scored by
+   the set's scorer (evaluate.score_models, whose answers `zerotune eval` reuses).
+   Gates: the GGUF trails HF by at most `check.accuracy_margin` (or one answer
+   of the set, whichever is larger: a set of n prompts cannot resolve less than
+   1/n), and a set with `max_drop` (retention) keeps the fine-tuned HF score
+   within that bound of the base model's.
 2. Per-token agreement on held-out text from the prepared data: mean
    KL(HF || GGUF), top-1 agreement and perplexity ratio.
 3. T4 fit: weights + f16 KV cache at the recipe's context against 14.6 GiB.
@@ -19,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from . import manifest as mf
-from .config import Recipe, resolve_path
+from .config import Recipe
 from .errors import MissingInputError, UserError
 from .gguf_checks import CHAT_FORMAT
 from .hardware import GPUS, LLAMA_CPP_OVERHEAD_GIB
@@ -32,20 +37,6 @@ from .quantize import gguf_path
 TIE_NATS = 0.1
 T4_USABLE_GIB = GPUS["t4"].usable_gib
 T4_OVERHEAD_GIB = LLAMA_CPP_OVERHEAD_GIB
-
-
-def load_heldout(r: Recipe) -> list[dict]:
-    path = resolve_path(r.data.heldout)
-    if path is None or not path.exists():
-        raise MissingInputError(f"data.heldout: {path} not found; check needs held-out prompts with reference answers.")
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            row = json.loads(line)
-            if "messages" not in row or "answer" not in row:
-                raise UserError(f"{path} line {i}: needs 'messages' (the prompt) and 'answer' (data.heldout).")
-            rows.append(row)
-    return rows
 
 
 def load_hf(model_dir: Path):
@@ -78,11 +69,6 @@ def hf_generate(model, tok, stop: list[int], rows: list[dict], max_new_tokens: i
     return out
 
 
-def hf_answers(model_dir: Path, rows: list[dict], max_new_tokens: int) -> list[str]:
-    model, tok, stop = load_hf(model_dir)
-    return hf_generate(model, tok, stop, rows, max_new_tokens)
-
-
 def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True, n_gpu_layers: int = 0):
     """The GGUF as check uses it: every position's logits, the embedded chat template (as serve uses it)."""
     import llama_cpp
@@ -100,10 +86,6 @@ def gguf_answers(llm, rows: list[dict], max_new_tokens: int) -> tuple[list[str],
         answers.append((res["choices"][0]["message"]["content"] or "").strip())
         reasons.append(res["choices"][0]["finish_reason"])
     return answers, reasons
-
-
-def accuracy(answers: list[str], rows: list[dict]) -> float:
-    return sum(a == row["answer"].strip() for a, row in zip(answers, rows)) / max(1, len(rows))
 
 
 def heldout_documents(r: Recipe, limit: int) -> list[tuple[list[int], list[int]]]:
@@ -218,23 +200,33 @@ def check(r: Recipe) -> int:
     max_kl, min_top1 = gates.max_kl, gates.min_top1
     max_kl = r.check.max_kl if r.check.max_kl is not None else max_kl
     min_top1 = r.check.min_top1 if r.check.min_top1 is not None else min_top1
-    rows = load_heldout(r)
-    hf_cfg = json.loads((model_dir / "config.json").read_text())
+    from .evaluate import eval_sets, load_rows, score_models
 
-    print(f"check: {len(rows)} held-out prompts, greedy, max {r.check.max_new_tokens} new tokens", flush=True)
-    base_ans = hf_answers(base_model_for_check(r), rows, r.check.max_new_tokens)
-    hf_ans = hf_answers(model_dir, rows, r.check.max_new_tokens)
-    llm = load_gguf(gguf, n_ctx=min(r.check.n_ctx, 4096), n_gpu_layers=r.check.n_gpu_layers)
+    sets = eval_sets(r)
+    if not sets:
+        raise UserError(f"recipe {r.name}: check needs held-out prompts: set eval.sets (name, path, scorer) or "
+                        "data.heldout.")
+    rows_by_set = {es.name: load_rows(es) for es in sets}
+    hf_cfg = json.loads((model_dir / "config.json").read_text())
+    print(f"check: {', '.join(f'{es.name} ({len(rows_by_set[es.name])} prompts, {es.scorer})' for es in sets)}; "
+          "greedy answers from base, fine-tuned HF and GGUF", flush=True)
+    scored = score_models(r, sets, rows_by_set)["sets"]
+    # Whole documents of the eval split go through the GGUF: its context must hold the longest packed row.
+    llm = load_gguf(gguf, n_ctx=r.data.seq_len, n_gpu_layers=r.check.n_gpu_layers)
     try:
-        gg_ans, finish = gguf_answers(llm, rows, r.check.max_new_tokens)
         agreement = logit_agreement(llm, model_dir, heldout_documents(r, r.check.n_kl_texts))
         perf = speed(llm)
     finally:
         llm.close()  # llama-cpp-python's __del__ at interpreter exit raises otherwise
+    first, rows = sets[0].name, rows_by_set[sets[0].name]
+    base_ans, hf_ans, gg_ans = (scored[first][m]["answers"] for m in ("base", "hf", "gguf"))
+    finish = scored[first]["gguf"]["finish"]
     res = {
         "recipe": r.name, "gguf": str(gguf), "type": qtype,
-        "base_accuracy": accuracy(base_ans, rows), "hf_accuracy": accuracy(hf_ans, rows),
-        "gguf_accuracy": accuracy(gg_ans, rows), "n_prompts": len(rows),
+        "base_accuracy": scored[first]["base"]["score"], "hf_accuracy": scored[first]["hf"]["score"],
+        "gguf_accuracy": scored[first]["gguf"]["score"], "n_prompts": len(rows),
+        "sets": {es.name: {"scorer": es.scorer, "n": len(rows_by_set[es.name]), "max_drop": es.max_drop,
+                           **{m: scored[es.name][m]["score"] for m in ("base", "hf", "gguf")}} for es in sets},
         "gguf_stopped_at_end_of_turn": sum(f == "stop" for f in finish) / max(1, len(finish)),
         "hf_gguf_answer_agreement": sum(a == b for a, b in zip(hf_ans, gg_ans)) / max(1, len(rows)),
         "agreement": agreement, "gates": {"max_kl": max_kl, "min_top1": min_top1,
@@ -244,9 +236,13 @@ def check(r: Recipe) -> int:
                      for row, b, h, g in list(zip(rows, base_ans, hf_ans, gg_ans))[:5]],
     }
     failures = []
-    if res["gguf_accuracy"] < res["hf_accuracy"] - r.check.accuracy_margin:
-        failures.append(f"GGUF accuracy {res['gguf_accuracy']:.3f} trails HF {res['hf_accuracy']:.3f} by more than "
-                        f"{r.check.accuracy_margin}")
+    for name, s in res["sets"].items():
+        margin = max(r.check.accuracy_margin, 1 / s["n"])
+        if s["gguf"] < s["hf"] - margin - 1e-9:
+            failures.append(f"{name}: GGUF score {s['gguf']:.3f} trails HF {s['hf']:.3f} by more than {margin:.3f}")
+        if s["max_drop"] is not None and s["hf"] < s["base"] - s["max_drop"] - 1e-9:
+            failures.append(f"{name}: fine-tuned HF {s['hf']:.3f} is more than {s['max_drop']} below the base "
+                            f"model's {s['base']:.3f} (eval.sets[{name}].max_drop): the fine-tune cost too much here")
     if agreement["mean_kl"] is not None and agreement["mean_kl"] > max_kl:
         failures.append(f"mean KL {agreement['mean_kl']:.4g} > {max_kl} for {qtype}")
     gated_top1 = agreement["top1_agreement_labels"]
@@ -263,6 +259,7 @@ def check(r: Recipe) -> int:
     if failures:
         print("check: FAILED: " + "; ".join(failures), flush=True)
     summary = {k: res[k] for k in ("base_accuracy", "hf_accuracy", "gguf_accuracy")}
+    summary["sets"] = {name: {m: round(s[m], 4) for m in ("base", "hf", "gguf")} for name, s in res["sets"].items()}
     summary.update(mean_kl=agreement["mean_kl"], top1_agreement=agreement["top1_gated"],
                    top1_agreement_all_positions=agreement["top1_agreement"],
                    t4_fits=res["t4"]["fits"], passed=res["passed"])
@@ -275,9 +272,11 @@ def _print_table(res: dict) -> None:
     kl = f"{a['mean_kl']:.2e}" if a["mean_kl"] is not None else "n/a"
     lines = [
         f"check: {res['gguf']} ({res['type']})",
-        f"  accuracy on {res['n_prompts']} held-out prompts: base {res['base_accuracy']:.3f} | "
-        f"HF {res['hf_accuracy']:.3f} | GGUF {res['gguf_accuracy']:.3f} "
-        f"(GGUF stopped at its end-of-turn token on {res['gguf_stopped_at_end_of_turn']:.0%})",
+        *(f"  {name} ({s['n']} prompts, {s['scorer']}): base {s['base']:.3f} | HF {s['hf']:.3f} | GGUF {s['gguf']:.3f}"
+          + (f" (max drop from base {s['max_drop']})" if s["max_drop"] is not None else "")
+          for name, s in res["sets"].items()),
+        f"  GGUF stopped at its end-of-turn token on {res['gguf_stopped_at_end_of_turn']:.0%} of the first set; "
+        f"answers identical to HF's on {res['hf_gguf_answer_agreement']:.0%}",
         f"  HF vs GGUF on {a['positions']} held-out positions: mean KL {kl} nats/token "
         f"(gate {res['gates']['max_kl']}), top-1 agreement {a['top1_gated']:.4f} on {a['label_positions']} assistant "
         f"positions (gate {res['gates']['min_top1']}; {a['top1_agreement']:.4f} over all), "

@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from .errors import UserError
+from .quant_types import QUANT_TYPES
 from .scorers import SCORERS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -109,15 +110,18 @@ class PeftCfg:
     merge_atol: float = _f(1e-3, "Max |logit diff| allowed between the merged model and base + adapter when publishing (fp32 merge)")
 
 
+QuantName = Literal[tuple(QUANT_TYPES)]  # one list of types: the table in quant_types.py
+
+
 @dataclass
 class QuantizeCfg:
-    type: str = _f("q8_0", "GGUF type: q8_0, f16, bf16 (converter) or q4_k_m, q5_k_m, q6_k ... (quantizer)")
+    type: QuantName = _f("q8_0", "GGUF type: " + ", ".join(QUANT_TYPES) + " (f32/f16/bf16/q8_0 from llama.cpp's converter, the rest through its quantizer)")
 
 
 @dataclass
 class CheckCfg:
     max_new_tokens: int = _f(32, "Greedy tokens per held-out prompt")
-    accuracy_margin: float = _f(0.02, "GGUF accuracy may trail HF accuracy by at most this")
+    accuracy_margin: float = _f(0.02, "GGUF score may trail the HF score on each held-out set by at most this (or one answer of the set, whichever is larger)")
     max_kl: Optional[float] = _f(None, "Max mean KL(HF||GGUF) nats/token; null = default for the quant type")
     min_top1: Optional[float] = _f(None, "Min top-1 agreement; null = default for the quant type")
     n_ctx: int = _f(8192, "Context length for the T4 fit report")

@@ -16,6 +16,7 @@ from . import ds_config, hardware
 from . import manifest as mf
 from .config import Recipe
 from .errors import UserError
+from .quant_types import QUANT_TYPES
 from .planner.memory import GiB, ModelConfigError, memory_breakdown, model_shape
 
 
@@ -25,12 +26,10 @@ class PlanError(UserError, RuntimeError):
 
 SEQ_CHOICES = (2048, 4096, 8192, 16384, 32768)
 MICRO_CHOICES = (1, 2, 4, 8)
-DEFAULT_MFU = {"v100-32gb": 0.35, "t4": 0.30, "a100-80gb": 0.40, "h100-80gb": 0.35}
 MIN_STEPS = 20  # below this, warmup/cosine schedules and loss curves mean little
-# GGUF bits per weight (llama.cpp block formats: q8_0 = 34 bytes per 32 weights, k-quants mixed).
-GGUF_BPW = {"f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.69, "q4_k_m": 4.85, "q4_0": 4.5}
-T4_USABLE_GIB = 14.6
-T4_RUNTIME_OVERHEAD_GIB = 0.6  # CUDA context + llama.cpp compute buffers
+# GGUF types the plan sizes for the T4 (bits per weight from the one quantization table)
+PLANNED_QUANTS = ("f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
+T4 = hardware.GPUS["t4"]
 
 
 def _cluster(r: Recipe, gpu, gpus_per_node, nodes):
@@ -111,7 +110,7 @@ def _step_time(r, shape, g, gpu_name, seq, world) -> dict:
     # x3 for forward + backward, +1 forward again with recompute.
     attention = (8 if ckpt else 6) * seq * shape.q_dim * L * T
     total = dense + recompute + attention
-    mfu = r.plan.mfu or DEFAULT_MFU.get(gpu_name)
+    mfu = r.plan.mfu or hardware.GPUS[gpu_name].default_mfu
     out = {"flops_per_step": total, "flops_dense": dense, "flops_recompute": recompute, "flops_attention": attention,
            "mfu": mfu, "seconds_per_step": None}
     if mfu and g.peak_tflops:
@@ -132,12 +131,12 @@ def _data_steps(r: Recipe) -> dict:
 def _inference(r: Recipe, shape) -> dict:
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2  # K and V, f16
     rows = {}
-    for q, bpw in GGUF_BPW.items():
-        size = shape.n_params * bpw / 8
-        free = T4_USABLE_GIB * GiB - size - T4_RUNTIME_OVERHEAD_GIB * GiB
+    for q in PLANNED_QUANTS:
+        size = shape.n_params * QUANT_TYPES[q].bpw / 8
+        free = T4.usable_gib * GiB - size - hardware.LLAMA_CPP_OVERHEAD_GIB * GiB
         ctx = min(shape.max_positions, int(free // kv_per_token)) if free > 0 else 0
         rows[q] = {"gguf_bytes": int(size), "t4_fits": ctx >= 512, "t4_max_context": ctx}
-    return {"kv_bytes_per_token": kv_per_token, "t4_usable_gib": T4_USABLE_GIB, "quant": rows,
+    return {"kv_bytes_per_token": kv_per_token, "t4_usable_gib": T4.usable_gib, "quant": rows,
             "recipe_quant": r.quantize.type}
 
 

@@ -1,6 +1,6 @@
 """Scorers: how one model answer is compared with one held-out row's reference. One table, `SCORERS`.
 
-A held-out row is `{"messages": [chat prompt], "answer": "reference"}` (+ optional `"pattern"` for `regex`).
+A held-out row is `{"messages": [chat prompt], "answer": "reference"}` (or a list of acceptable references) (+ optional `"pattern"` for `regex`).
 Every scorer returns a float in [0, 1]; they are all 0/1 today, the range leaves room for partial credit.
 `config.py` derives the recipe's allowed `eval.sets[].scorer` names from this table, so a new scorer needs
 no second edit there.
@@ -118,6 +118,8 @@ def score(scorer: str, prediction: str, row: dict, pattern: str | None = None) -
         raise ValueError(f"unknown scorer {scorer!r}; choose one of {', '.join(SCORERS)}.")
     if pattern is not None and "pattern" not in row:
         row = {**row, "pattern": pattern}
+    if isinstance(row.get("answer"), list):  # several acceptable references ("seven", "7"): the best match counts
+        return max(SCORERS[scorer](prediction, {**row, "answer": a}) for a in row["answer"])
     return SCORERS[scorer](prediction, row)
 
 
