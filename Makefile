@@ -6,7 +6,7 @@ ZT := $(PY) -m zerotune
 export HF_HUB_OFFLINE ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup data finetune quantize check eval serve plan demo test test-fast bench clean help
+.PHONY: setup data finetune quantize check eval serve plan demo lint test test-fast bench clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -35,16 +35,20 @@ eval: setup  ## base vs fine-tuned HF vs GGUF on every eval.sets set -> runs/<r>
 serve: setup  ## OpenAI-compatible server over the GGUF on 127.0.0.1
 	$(ZT) serve $(RECIPE) $(ARGS)
 
-demo: setup  ## the whole chain on CPU: prepare -> finetune -> quantize -> check (last line: JSON summary)
+demo: setup  ## the whole chain on CPU: prepare -> finetune -> quantize -> eval -> check (check reuses eval's answers) (last line: JSON summary)
 	$(ZT) prepare $(RECIPE) $(ARGS)
 	$(ZT) train $(RECIPE) $(ARGS)
 	$(ZT) quantize $(RECIPE) $(ARGS)
+	$(ZT) eval $(RECIPE) $(ARGS)
 	$(ZT) check $(RECIPE) $(ARGS)
 	@# where the result is and what to run next; on stderr, so the JSON summary stays the last line of stdout
 	@$(PY) -c 'import sys; from zerotune.config import load_recipe; from zerotune.quantize import gguf_path; \
 	r = load_recipe(sys.argv[1], sys.argv[2:]); a = " ".join(sys.argv[2:]); \
 	print(f"demo: done; the GGUF is {gguf_path(r)}\nnext: make serve RECIPE={sys.argv[1]}" + (f" ARGS=\"{a}\"" if a else "") \
 	+ f"   # OpenAI-compatible API on http://{r.serve.host}:{r.serve.port}/v1", file=sys.stderr)' $(RECIPE) $(ARGS)
+
+lint: setup  ## ruff (pyflakes + syntax errors) over the code, tests, bench and scripts (CI runs it)
+	$(PY) -m ruff check src tests bench scripts slurm
 
 test: setup  ## all tests, integration included (what CI runs)
 	$(PY) -m pytest -q --durations=25 tests  # the 25 slowest tests close every run: the CI budget, watched

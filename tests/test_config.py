@@ -1,6 +1,5 @@
 """Recipe schema: validation, coercion, overrides, and every shipped recipe loads."""
 
-from pathlib import Path
 
 import pytest
 

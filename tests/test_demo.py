@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from test_train_integration import REPO
+from conftest import REPO
 
 pytestmark = pytest.mark.integration
 

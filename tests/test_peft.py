@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import pytest
 
-from test_train_integration import zt
+from conftest import zt
 from zerotune.config import RecipeError, load_recipe
 
 
@@ -101,7 +99,7 @@ def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
     """LoRA under ZeRO-3 (2 processes) and QLoRA (4-bit base, no DeepSpeed): stop on SIGUSR1 with a committed
     checkpoint (adapter, optimizer, scheduler, RNG), resume, and match an uninterrupted run step by step."""
     from test_resume import start, wait_for_step
-    from test_train_integration import metrics
+    from conftest import read_metrics as metrics
 
     steps = ["train.logging_steps=1", "train.max_steps=6", "train.save_steps=2", "--force"]
     ref, run = tmp_path / "ref", tmp_path / "run"
@@ -128,7 +126,7 @@ def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
 def test_qlora_on_two_processes_equals_one(tmp_path):
     """QLoRA under DDP (each rank holds the 4-bit base; no ZeRO sharding): world 2 x GA 2 gives the same
     per-step loss and grad norm as world 1 x GA 4 for the same token-stated global batch."""
-    from test_train_integration import metrics
+    from conftest import read_metrics as metrics
 
     runs = {}
     for procs in (1, 2):

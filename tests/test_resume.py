@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from test_train_integration import REPO, metrics, zt
+from conftest import REPO, zt
+from conftest import read_metrics as metrics
 
 pytestmark = pytest.mark.integration
 STEPS = 10

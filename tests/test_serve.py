@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,16 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from conftest import free_port
+
 pytestmark = pytest.mark.integration
 
 KEY = "test-key-123"
 N_CTX = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +26,7 @@ def server(tiny_gguf, tmp_path_factory):
     from zerotune.config import load_recipe
     from zerotune.serve import build_app
 
-    port = _free_port()
+    port = free_port()
     r = load_recipe("tiny", [f"output_dir={tmp_path_factory.mktemp('serve')}", f"serve.port={port}",
                              f"serve.n_ctx={N_CTX}", f"serve.api_key={KEY}"])
     saved = os.environ.pop("ZEROTUNE_API_KEY", None)

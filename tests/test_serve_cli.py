@@ -2,7 +2,6 @@
 
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -10,21 +9,15 @@ import urllib.request
 
 import pytest
 
-from test_train_integration import REPO
+from conftest import REPO, free_port
 
 pytestmark = pytest.mark.integration
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cli_serves_and_stops_on_ctrl_c(tmp_path, tiny_gguf):
     (tmp_path / "gguf").mkdir()
     shutil.copy(tiny_gguf, tmp_path / "gguf" / "tiny-q8_0.gguf")
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "zerotune", "serve", "tiny", f"output_dir={tmp_path}",
                              f"serve.port={port}", "serve.n_ctx=256"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)

@@ -65,7 +65,7 @@ def test_check_passes_on_the_real_model(smol):
     assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-3000:]
     res = json.loads((out / "check" / "check.json").read_text())
     a = res["agreement"]
-    assert a["mean_kl"] <= 0.01 and a["top1_gated"] >= 0.98, a
+    assert a["mean_kl"] <= 0.02 and a["top1_gated"] >= 0.98, a  # the q8_0 gates (quant_types.py)
     task, keep = res["sets"]["task"], res["sets"]["retention"]
     assert task["hf"] > task["base"], task              # 6 steps already beat the base model on the task
     assert abs(task["hf"] - task["gguf"]) <= 0.07, task   # at most one of 16 answers differs

@@ -3,35 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import read_metrics as metrics
+from conftest import zt
+
 pytestmark = pytest.mark.integration
 
 
-def zt(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "zerotune", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"zerotune {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "train" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny_run")
-    common = [f"output_dir={out}", "train.logging_steps=1"]
-    zt("prepare", "tiny", *common)
-    proc = zt("train", "tiny", *common, "train.max_steps=40")
-    return out, proc.stdout + proc.stderr
+def trained(tiny_trained_40):
+    """tiny, 40 steps on 2 ZeRO-3 CPU ranks: the session's shared run (conftest), not a retrain."""
+    return tiny_trained_40
 
 
 def test_zero3_world_size_2_is_in_the_log(trained):

@@ -268,7 +268,7 @@ def worker(r: Recipe) -> None:
     from .checkpoint import (REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopBeforeTraining, describe_failure,
                              discard_after, last_committed, step_of)
     from .evaluation import EvalDuringTraining
-    from .metrics import StepMetrics, flops_per_token, plot_curves
+    from .metrics import StepMetrics, flops_per_token
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     # DeepSpeed 0.19 calls this torch API on every ZeRO-3 reduce: hundreds of identical lines per run bury the log

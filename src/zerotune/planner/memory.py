@@ -194,7 +194,6 @@ def _num(v, auto):
 
 def model_states_bytes(m: ModelShape, zero: dict | None, gpus_per_node: int, nodes: int) -> tuple[int, int, str]:
     """(per-GPU bytes, per-node CPU bytes, how it was computed) for the ZeRO stage and offload in use."""
-    world = gpus_per_node * nodes
     if zero is None:
         # No DeepSpeed: every rank holds 16-bit weights + grads and fp32 master + Adam moments.
         return 16 * m.n_params, 0, "no DeepSpeed: 16 B/param on every GPU (2 weights + 2 grads + 12 Adam/fp32 master)"
