@@ -6,7 +6,7 @@ ZT := $(PY) -m zerotune
 export HF_HUB_OFFLINE ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup data finetune quantize check eval serve plan demo lint test test-fast bench clean help
+.PHONY: setup data finetune quantize check eval serve plan demo lint test test-fast bench bench-quant clean help
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -63,6 +63,11 @@ bench: setup  ## measured comparisons on this machine -> bench/results.md (+ res
 	$(PY) -m pip install -q --no-deps --upgrade --target bench/work/trl-site -r bench/requirements-bench.txt
 	$(PY) bench/bench_train.py
 	$(PY) bench/report.py
+
+bench-quant: setup  ## GGUF types of the fine-tuned SmolLM2 vs its HF model (KL, top-1, perplexity, task) -> bench/results/quant.md
+	$(ZT) prepare smollm2
+	$(ZT) train smollm2
+	$(PY) bench/bench_quant.py smollm2
 
 clean:  ## remove run outputs (keeps .venv and assets)
 	rm -rf runs bench/work

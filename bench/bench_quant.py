@@ -1,6 +1,6 @@
 """Quantization on a real distribution: each GGUF type of the fine-tuned SmolLM2 model against the HF model.
 
-    .venv/bin/python bench/bench_quant.py [RECIPE]      # default smollm2; needs `make finetune RECIPE=smollm2`
+    make bench-quant      # trains smollm2 if needed, then .venv/bin/python bench/bench_quant.py smollm2
 
 For Q8_0, Q6_K, Q5_K_M and Q4_K_M (and F16 as the reference point): llama.cpp's converter / quantizer through
 zerotune's own quantize stage (so every file passes the same read-back checks), then check's own measurements:
