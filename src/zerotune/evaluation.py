@@ -107,6 +107,10 @@ class EvalDuringTraining(TrainerCallback):
             return
         t0 = time.perf_counter()
         was_training = model.training
+        # generate() turns the KV cache back on in the model's config; training and the final probe rely on it
+        # being off (packed position_ids give a block-causal mask only without a cache), so it is restored
+        config = getattr(model, "config", None)
+        use_cache = getattr(config, "use_cache", None)
         model.eval()
         try:
             import torch
@@ -116,6 +120,8 @@ class EvalDuringTraining(TrainerCallback):
                 samples = self._samples(model, args.device, state.global_step)
         finally:
             model.train(was_training)
+            if config is not None:
+                config.use_cache = use_cache
         row["eval_s"] = round(time.perf_counter() - t0, 2)
         control.should_log = True  # the step's metrics row is written now and carries val_loss
         if state.is_world_process_zero:

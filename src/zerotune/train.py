@@ -375,7 +375,7 @@ def worker(r: Recipe) -> None:
     probe = {k: v[:1].to(args.device) for k, v in collate([train_ds[0]]).items() if k != "labels"}
     with torch.no_grad():
         trainer.model_wrapped.eval()
-        ref_logits = trainer.model_wrapped(**probe).logits.float().cpu()
+        ref_logits = trainer.model_wrapped(**probe, use_cache=False).logits.float().cpu()  # as finalize
     tmp = staging_dir(r)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
