@@ -177,3 +177,8 @@ def test_worker_user_error_under_torchrun_is_reported_once(tmp_path):
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
     assert_one_message(2, proc.stderr, "train.global_batch_tokens=1,000 is not a multiple", "Nearest valid")
     assert json.loads((tmp_path / "train" / "error.json").read_text())["type"] == "BatchError"
+
+
+def test_missing_deepspeed_config_names_the_key(tmp_path, capfd):
+    rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path}", "train.deepspeed=configs/deepspeed/nope.json")
+    assert_one_message(rc, err, "train.deepspeed:", "nope.json not found", "configs/deepspeed/zero3.json")

@@ -62,6 +62,19 @@ def lora_config(r: Recipe):
                       modules_to_save=list(r.peft.modules_to_save) or None)
 
 
+def keep_4bit_layout(model) -> None:
+    """Keep bitsandbytes' 4-bit weights in their trained layout on CPUs with AVX512-BF16. There, an eval-mode,
+    no-grad forward repacks them in place for a CPU kernel, and saving a checkpoint unpacks them again; that
+    round trip is not lossless (bitsandbytes 0.50.2, nn/modules.py Linear4bit.forward/_save_to_state_dict), so
+    a validation pass followed by a checkpoint changed the frozen base: the saved adapter on a freshly loaded
+    base then differed from the trained model by 0.034 in logits. GPUs never take this path."""
+    import bitsandbytes as bnb
+
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+
+
 def wrap(model, r: Recipe):
     """Add adapters (after prepare_model_for_kbit_training for QLoRA); returns (model, trainable, total)."""
     from peft import get_peft_model, prepare_model_for_kbit_training
@@ -71,6 +84,7 @@ def wrap(model, r: Recipe):
     # recipe start from different adapters (found by the resume test: grad norms differed at step 1)
     set_seed(r.train.seed)
     if r.peft.method == "qlora":
+        keep_4bit_layout(model)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=r.train.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     model = get_peft_model(model, lora_config(r))
@@ -120,6 +134,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
         if on_gpu:
             kw["device_map"] = {"": 0}
         trained_base = AutoModelForCausalLM.from_pretrained(str(base), **kw)
+        keep_4bit_layout(trained_base)  # the same kernels as in training
     else:
         trained_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     reloaded = _logits(PeftModel.from_pretrained(trained_base, str(tmp)), probe)
