@@ -59,7 +59,7 @@ test-fast: setup  ## unit tests only (seconds)
 bench: setup  ## measured comparisons on this machine -> bench/results.md (+ results/*.json, *.png)
 	$(PY) bench/bench_data.py
 	$(PY) bench/bench_inference.py
-	$(PY) -m pytest -q tests/test_activation_memory.py
+	ZEROTUNE_BENCH_RESULTS=bench/results $(PY) -m pytest -q tests/test_activation_memory.py
 	$(PY) -m pip install -q --no-deps --upgrade --target bench/work/trl-site -r bench/requirements-bench.txt
 	$(PY) bench/bench_train.py
 	$(PY) bench/report.py

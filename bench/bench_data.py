@@ -129,7 +129,7 @@ def main() -> None:
         runs = []
         for rep in range(args.repeats):
             t0, c0, steal = time.perf_counter(), _cpu(), Steal()
-            m = prepare(r, force=True, histogram=False)
+            m = prepare(r, rebuild=True, histogram=False)
             prep_s, prep_cpu, prep_steal = time.perf_counter() - t0, _cpu() - c0, steal.fraction()
             base, b_next = slice_()
             doc_tokens, base_tokens = m["tokens"]["train_real"], b_next["tokens"]
@@ -155,7 +155,7 @@ def main() -> None:
                         "data": {**r.to_dict()["data"], "packing": False,
                                  "seq_len": max(args.seq_len, max(len(ids) for ids, _ in base)),
                                  "sources": [{"path": str(_head(src, tmp / "sub.jsonl", len(sub)))}]}})
-        prepare(r2, force=True, histogram=False)
+        prepare(r2, rebuild=True, histogram=False)
         mine = load_from_disk(str(data_dir(r2) / "train"))
         exact = all(mine[i]["input_ids"] == base[i][0] and mine[i]["labels"] == base[i][1] for i in range(len(sub)))
 

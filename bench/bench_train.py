@@ -547,7 +547,7 @@ def main() -> None:
     generate(CHAT, n)
     t0 = time.perf_counter()
     subprocess.check_call([sys.executable, "-m", "zerotune", "prepare", str(RECIPE.relative_to(REPO)),
-                           *zt_overrides(a), "--force"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+                           *zt_overrides(a), "--skip-preflight"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
     prepare_s = time.perf_counter() - t0
     recipe = load_recipe(str(RECIPE), zt_overrides(a))
     base = materialise_base(recipe)  # the same initial weights for every contender

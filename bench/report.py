@@ -50,7 +50,7 @@ def predictions() -> str:
 def planner_validation() -> str:
     """The planner's activation model against bytes measured on CPU (written by tests/test_activation_memory.py,
     which `make bench` runs just before)."""
-    src = REPO / "runs" / "plan_validation.md"
+    src = RESULTS / "plan_validation.md"
     head = "## Planner: predicted vs measured activation memory\n\n"
     if not src.exists():
         return head + f"not run (tests/test_activation_memory.py did not write {src.relative_to(REPO)})\n"

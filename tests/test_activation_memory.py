@@ -18,6 +18,7 @@ not validated here.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,8 @@ import torch
 
 from zerotune.planner.memory import ModelShape, activation_bytes
 
-REPO = Path(__file__).resolve().parents[1]
-TOLERANCE = 0.10
+# the prediction counts the same bytes autograd saves, so it is exact; the bound only absorbs allocator rounding
+TOLERANCE = 0.001
 
 
 class _Handle:
@@ -126,7 +127,9 @@ def validation_table() -> str:
 @pytest.fixture(scope="module")
 def table():
     text, results = validation_table()
-    out = REPO / "runs" / "plan_validation.md"
+    if not os.environ.get("ZEROTUNE_BENCH_RESULTS"):  # set by `make bench`, which publishes the table
+        return results
+    out = Path(os.environ["ZEROTUNE_BENCH_RESULTS"]) / "plan_validation.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("# Activation memory: measured on CPU vs the planner\n\n"
                    "Saved-for-backward bytes (peak, deduplicated by storage) of transformers LlamaForCausalLM, "

@@ -27,6 +27,7 @@ def _run(args: list[str]) -> None:
     assert p.returncode == 0, p.stderr[-3000:]
 
 
+@pytest.mark.integration  # a subprocess bench: not for `make test-fast`
 @pytest.mark.usefixtures("tokenizer_dir")
 def test_bench_data_small(tmp_path):
     # seq_len below the longest documents: the exactness check must still compare like with like
@@ -39,6 +40,7 @@ def test_bench_data_small(tmp_path):
     assert "| repeat |" in (tmp_path / "data.md").read_text()
 
 
+@pytest.mark.integration
 @pytest.mark.usefixtures("tokenizer_dir")
 def test_bench_inference_small(tmp_path):
     _run(["bench/bench_inference.py", "--model", str(tmp_path / "none"), "--prompt-tokens", "32", "--new-tokens",

@@ -101,7 +101,7 @@ def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
     from test_resume import start, wait_for_step
     from conftest import read_metrics as metrics
 
-    steps = ["train.logging_steps=1", "train.max_steps=6", "train.save_steps=2", "--force"]
+    steps = ["train.logging_steps=1", "train.max_steps=6", "train.save_steps=2", "--skip-preflight"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     for out in (ref, run):
         zt("prepare", recipe, f"output_dir={out}")
@@ -133,7 +133,7 @@ def test_qlora_on_two_processes_equals_one(tmp_path):
         out = tmp_path / f"procs{procs}"
         zt("prepare", "tiny_qlora", f"output_dir={out}")
         log = zt("train", "tiny_qlora", f"output_dir={out}", f"train.cpu_procs={procs}", "train.max_steps=3",
-                 "train.logging_steps=1", "--force").stdout
+                 "train.logging_steps=1", "--skip-preflight").stdout
         assert f"world {procs} x grad-accum {4 // procs}" in log
         runs[procs] = metrics(out)
     for a, b in zip(runs[1], runs[2]):

@@ -99,6 +99,11 @@ def test_unknown_recipe_key_names_file_and_key(tmp_path, capfd):
     assert_one_message(rc, err, str(path), "train", "unknown key 'lrr'", "Did you mean 'lr'")
 
 
+def test_old_force_flag_names_its_two_replacements(capfd):
+    rc, _, err = run_main(capfd, "prepare", "tiny", "--force")
+    assert_one_message(rc, err, "--rebuild", "--skip-preflight")
+
+
 def test_quantize_without_a_trained_model(tmp_path, capfd):
     rc, _, err = run_main(capfd, "quantize", "tiny", f"output_dir={tmp_path}")
     assert_one_message(rc, err, str(tmp_path / "model"), "make finetune RECIPE=tiny")

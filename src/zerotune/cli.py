@@ -18,7 +18,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("stage", choices=STAGES)
     p.add_argument("recipe", nargs="?", default="tiny", help="recipe name in recipes/ or a path to a YAML file")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=1e-4")
-    p.add_argument("--force", action="store_true", help="prepare: rebuild the cache; train: skip the preflight plan")
+    p.add_argument("--rebuild", action="store_true", help="prepare: rebuild the data cache even if its fingerprint matches")
+    p.add_argument("--skip-preflight", action="store_true",
+                   help="train: start even if the plan predicts it will not fit in memory or on disk")
     p.add_argument("--dry-run", action="store_true", help="train: print the resolved plan and exit")
     p.add_argument("--json", action="store_true", help="plan: machine-readable output")
     p.add_argument("--finalize", action="store_true", help="train (internal): verify and publish the model a finished run saved")
@@ -27,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--force" in argv:  # it meant two things before it was split; say which one to use
+        return report(UserError("--force is gone: use --rebuild (prepare: rebuild the data cache) or "
+                                "--skip-preflight (train: start although the plan predicts it will not fit)."))
     args = _parser().parse_args(argv)  # unknown --flags are refused by argparse
     silence_known_noise()
     if args.stage == "explain":
@@ -63,7 +68,7 @@ def _stage(args, argv: list[str], r) -> int:
     _banner(args, r)
     if args.stage == "prepare":
         from .data.prepare import prepare
-        prepare(r, force=args.force)
+        prepare(r, rebuild=args.rebuild)
     elif args.stage == "train":
         from . import train
         if args.finalize:
@@ -76,7 +81,7 @@ def _stage(args, argv: list[str], r) -> int:
         if "LOCAL_RANK" in os.environ:
             train.worker(r)
         else:
-            return train.launch(r, [a for a in argv if a != "--force"], force=args.force)
+            return train.launch(r, [a for a in argv if a != "--skip-preflight"], skip_preflight=args.skip_preflight)
     elif args.stage == "quantize":
         from .quantize import quantize
         quantize(r)

@@ -354,7 +354,7 @@ def preflight(r: Recipe) -> dict:
         raise PlanError(f"predicted peak {m['peak_bytes'] / GiB:.1f} GiB per GPU exceeds {m['capacity_bytes'] / GiB:.1f} GiB "
                         f"on {p['cluster']['gpu_name']} at seq_len {rc['seq_len']} x micro-batch "
                         f"{rc['micro_batch_size']}. Suggested: {fix}. (`zerotune plan {r.name}` shows the breakdown; "
-                        "--force skips this check.)")
+                        "--skip-preflight skips this check.)")
     return p
 
 
@@ -372,7 +372,7 @@ def disk_preflight(r: Recipe, where) -> dict:
     if free < d["peak_bytes"]:
         raise PlanError(f"{where} has {free / GiB:.1f} GiB free; this run needs about {d['peak_bytes'] / GiB:.1f} GiB "
                         f"({d['checkpoints_at_once']} checkpoints of {d['checkpoint_bytes'] / GiB:.1f} GiB + the model). "
-                        "Free space, lower train.save_total_limit, or set output_dir elsewhere (--force skips this check).")
+                        "Free space, lower train.save_total_limit, or set output_dir elsewhere (--skip-preflight skips this check).")
     return d
 
 

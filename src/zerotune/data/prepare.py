@@ -401,7 +401,7 @@ def _histogram(lengths, seq_len: int, path: Path) -> None:
     plt.close(fig)
 
 
-def prepare(r: Recipe, force: bool = False, histogram: bool = True) -> dict:
+def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
     if not r.data.sources:
         raise UserError(f"recipe {r.name}: data.sources is empty; list at least one file or hub data set.")
     tok = load_tokenizer(r)
@@ -410,7 +410,7 @@ def prepare(r: Recipe, force: bool = False, histogram: bool = True) -> dict:
     fp = fingerprint(r, tok)
     out = data_dir(r)
     old = mf.read(out / "manifest.json")
-    if not force and old and old.get("fingerprint") == fp["fingerprint"] and (out / "train").exists():
+    if not rebuild and old and old.get("fingerprint") == fp["fingerprint"] and (out / "train").exists():
         print(f"prepare: cache hit ({out}, fingerprint {fp['fingerprint']}); nothing to do")
         return old
 
