@@ -127,22 +127,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def before_launch(r: Recipe, force: bool = False) -> None:
+def before_launch(r: Recipe, skip_preflight: bool = False) -> None:
     """What is checked and built before any worker starts; slurm/job.py runs it too, before srun."""
     from .plan import disk_preflight, preflight
 
     require_prepared(r)  # fail here, in seconds, not after the launch
-    if not force:
-        preflight(r)  # predicted not to fit -> PlanError with the suggested change (--force overrides)
+    if not skip_preflight:
+        preflight(r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)
         disk_preflight(r, r.out)
     materialise_base(r)
 
 
-def launch(r: Recipe, argv: list[str], force: bool = False) -> int:
+def launch(r: Recipe, argv: list[str], skip_preflight: bool = False) -> int:
     """Start the distributed job; returns its exit code."""
     import torch
 
-    before_launch(r, force)
+    before_launch(r, skip_preflight)
     n_gpu = torch.cuda.device_count()
     nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
     env = dict(os.environ)
