@@ -1,15 +1,50 @@
-"""Build the DeepSpeed config: the shipped JSON plus the recipe's `train.zero` overrides."""
+"""Build the DeepSpeed config: the shipped JSON plus the recipe's `train.zero` overrides.
+
+Keys the Trainer owns stay "auto" for the Trainer to fill. Two fp16 keys are zerotune's "auto",
+resolved here from the batch plan (batch.py derives GA; nothing restates it): the initial loss
+scale and the scale window. DeepSpeed itself never sees "auto" for them.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 
 from .config import Recipe, resolve_path
 from .errors import MissingInputError, UserError
 
+# DeepSpeed's own fp16 defaults (deepspeed/runtime/constants.py), used when nothing better is known.
+DS_INITIAL_SCALE_POWER = 16
+DS_LOSS_SCALE_WINDOW = 1000
+# The Trainer normalises each micro-batch loss by the label tokens of the whole global batch (and
+# multiplies by the world size: transformers/trainer.py compute_loss), so one micro-batch's gradients
+# are ~1/GA of a GA-1 run's. Raising the initial scale by log2(GA) restores DeepSpeed's default
+# headroom. The premise holds on average, not for every micro-batch (unpacked data with very uneven
+# lengths can put most of a batch's label tokens in one micro-batch): a scale k powers too high costs
+# k + 1 skipped steps (hysteresis 2, then one halving per overflow: deepspeed/runtime/fp16/
+# loss_scaler.py update_scale). The cap of 8 extra powers (2^24) bounds that worst case at 9 skipped
+# steps and covers GA up to 256 exactly; above it (GA 480: 2^25 ideal) the window lets the scaler grow.
+MAX_EXTRA_SCALE_POWER = 8
+MIN_LOSS_SCALE_WINDOW = 10  # fewer steps between growth attempts would mostly buy overflows and skipped steps
 
-def build(r: Recipe) -> dict | None:
+
+def loss_scale(grad_accum: int | None, steps: int | None) -> tuple[int, int]:
+    """(initial_scale_power, loss_scale_window) for fp16 dynamic loss scaling."""
+    power = DS_INITIAL_SCALE_POWER
+    if grad_accum and grad_accum > 1:
+        power += min(MAX_EXTRA_SCALE_POWER, math.ceil(math.log2(grad_accum)))
+    window = DS_LOSS_SCALE_WINDOW
+    if steps:
+        # DeepSpeed doubles the scale after `window` overflow-free steps: with 1000 a fine-tuning run of a
+        # few dozen steps never adapts. A tenth of the run lets it grow a few times if it started too low.
+        window = min(DS_LOSS_SCALE_WINDOW, max(MIN_LOSS_SCALE_WINDOW, steps // 10))
+    return power, window
+
+
+def build(r: Recipe, bp=None, steps: int | None = None) -> dict | None:
+    """bp: the batch.BatchPlan of this run; steps: optimizer steps. Without them (planning before data
+    exists) the fp16 scale keys fall back to DeepSpeed's defaults."""
     if r.train.deepspeed is None:
         return None
     path = resolve_path(r.train.deepspeed)
@@ -27,4 +62,12 @@ def build(r: Recipe) -> dict | None:
         else:
             zero[key] = value
     cfg["zero_optimization"] = zero
+    fp16 = cfg.get("fp16")
+    if isinstance(fp16, dict):
+        power, window = loss_scale(bp.grad_accum if bp else None, steps)
+        # Only zerotune's "auto": a number written in a user's JSON is their choice and stays.
+        if fp16.get("initial_scale_power") == "auto":
+            fp16["initial_scale_power"] = power
+        if fp16.get("loss_scale_window") == "auto":
+            fp16["loss_scale_window"] = window
     return cfg

@@ -7,7 +7,6 @@ step) and the label tokens among them; MFU uses model FLOPs per token
 
 from __future__ import annotations
 
-import json
 import math
 import resource
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from transformers import PrinterCallback, TrainerCallback
+
+from . import manifest as mf
 
 
 class FP16OverflowError(RuntimeError):
@@ -102,6 +103,8 @@ class StepMetrics(TrainerCallback):
         self._overflows_at_min = 0
         self._labels = None  # label tokens seen this step on this rank (a tensor: no sync per micro-batch)
         self.counting = False
+        self.watching_grads = False
+        self._grad_zero, self._grad_total = None, 0  # zero gradient elements / all, this step, this rank
         self.rows: list[dict] = []
         self.progress: Progress | None = None
 
@@ -123,23 +126,40 @@ class StepMetrics(TrainerCallback):
         model.register_forward_pre_hook(hook, with_kwargs=True)
         self.counting = True
 
+    def watch_grads(self, model, n_params: int = 4) -> None:
+        """Fraction of gradient elements exactly 0 in the training dtype, per step, on a few weight matrices
+        spread over the depth: fp16 gradients below 2^-24 (after loss scaling) flush to zero, and at a large
+        GA each micro-batch's gradients are ~1/GA of the usual size. The tensor hook sees each micro-batch's
+        gradient as autograd produced it (loss-scaled, model dtype), before ZeRO-3 reduces and accumulates it
+        in fp32. Embeddings and lm_head are left out (rows of tokens absent from the batch are truly 0), and so
+        is LoRA A (its gradient is 0 while B is still at its zero init)."""
+        skip = ("embed", "lm_head", "lora_A")
+        cands = [p for name, p in model.named_parameters()
+                 if p.requires_grad and len(getattr(p, "ds_shape", p.shape)) >= 2  # ZeRO-3: p.shape is (0,)
+                 and not any(s in name for s in skip)]
+        if not cands:
+            return
+        picked = [cands[round(i * (len(cands) - 1) / max(1, n_params - 1))] for i in range(min(n_params, len(cands)))]
+
+        def hook(g):
+            z, t = (g == 0).sum(), g.numel()
+            self._grad_zero = z if self._grad_zero is None else self._grad_zero + z
+            self._grad_total += t
+            return g
+
+        self._grad_zero, self._grad_total = None, 0
+        for p in dict.fromkeys(picked):  # a short model may pick one parameter twice
+            p.register_hook(hook)
+        self.watching_grads = True
+
     def rewind(self, step: int) -> None:
         """On resume from checkpoint `step`, rows logged after it by the interrupted attempt (a kill -9 lands
         between checkpoints) are moved to metrics.discarded.jsonl, so each step appears once. Step 0: a fresh run."""
-        if not self.path.exists():
-            return
-        if step == 0:
-            self.path.unlink()
-            return
-        rows = [x for x in self.path.read_text().splitlines() if x.strip()]
-        keep = [x for x in rows if json.loads(x)["step"] <= step]
-        dropped = [x for x in rows if json.loads(x)["step"] > step]
+        discarded = self.path.with_name("metrics.discarded.jsonl")
+        dropped = mf.rewind_jsonl(self.path, step, discard_to=discarded)
         if dropped:
-            with open(self.path.with_name("metrics.discarded.jsonl"), "a") as f:
-                f.write("\n".join(dropped) + "\n")
-            self.path.write_text("".join(x + "\n" for x in keep))
-            print(f"train: metrics: moved {len(dropped)} rows logged after step {step} by the interrupted attempt "
-                  f"to {self.path.with_name('metrics.discarded.jsonl')}", flush=True)
+            print(f"train: metrics: moved {dropped} rows logged after step {step} by the interrupted attempt "
+                  f"to {discarded}", flush=True)
 
     def on_train_begin(self, args, state, control, **kw):
         if state.is_world_process_zero:
@@ -170,12 +190,22 @@ class StepMetrics(TrainerCallback):
             dist.all_reduce(mem, op=dist.ReduceOp.MAX)
             dist.all_reduce(labels, op=dist.ReduceOp.SUM)
         n_labels = labels.item() if self.counting else self.tokens_per_step * self.label_fraction
+        grad_zero = None
+        if self.watching_grads:
+            zt = torch.tensor([float(self._grad_zero if self._grad_zero is not None else 0), float(self._grad_total)])
+            self._grad_zero, self._grad_total = None, 0
+            if dist.is_available() and dist.is_initialized():
+                zt = zt.to(args.device)
+                dist.all_reduce(zt, op=dist.ReduceOp.SUM)
+            grad_zero = zt[0].item() / zt[1].item() if zt[1].item() > 0 else None
         row = {"step": state.global_step, "step_time_s": round(dt, 4),
                "tokens_per_s": round(self.tokens_per_step / dt, 1) if dt > 0 else None,
                "tokens_per_s_per_rank": round(self.tokens_per_step / dt / self.world, 1) if dt > 0 else None,
                "label_tokens": int(n_labels),
                "label_tokens_per_s": round(n_labels / dt, 1) if dt > 0 else None,
                "peak_mem_gib_max_rank": round(mem.item() / 2**30, 3)}
+        if grad_zero is not None:
+            row["grad_zero_frac"] = round(grad_zero, 6)
         if self.peak and dt > 0:
             row["mfu"] = round(self.flops_tok * self.tokens_per_step / dt / (self.peak * 1e12 * self.world), 4)
         eng = self._engine()
@@ -206,8 +236,7 @@ class StepMetrics(TrainerCallback):
         row = self.rows[-1] if self.rows and self.rows[-1]["step"] == state.global_step else {"step": state.global_step}
         row.update({k: logs[k] for k in ("loss", "grad_norm", "learning_rate", "epoch") if k in logs})
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        mf.append_jsonl(self.path, row)
         parts = [f"step {row['step']}", f"loss {row.get('loss', float('nan')):.4f}"]
         if "grad_norm" in row:
             parts.append(f"grad_norm {row['grad_norm']:.3f}")
@@ -218,6 +247,8 @@ class StepMetrics(TrainerCallback):
         if "mfu" in row:
             parts.append(f"MFU {row['mfu']:.1%}")
         parts.append(f"peak mem {row.get('peak_mem_gib_max_rank', 0):.2f} GiB")
+        if "grad_zero_frac" in row:
+            parts.append(f"zero grads {row['grad_zero_frac']:.2%}")
         if "loss_scale" in row:
             parts.append(f"loss scale {row['loss_scale']:g} (skipped {row['skipped_steps']})")
         line = "train: " + ", ".join(parts)
@@ -232,7 +263,7 @@ def plot_curves(jsonl: Path, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(x) for x in Path(jsonl).read_text().splitlines() if x.strip()]
+    rows = mf.read_jsonl(jsonl)
     if not rows:
         return
     steps = [r["step"] for r in rows]

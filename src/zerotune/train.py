@@ -218,7 +218,7 @@ def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choic
         bf16=choice.precision == "bf16",
         activation_checkpointing=r.train.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False},
-        deepspeed=ds_config.build(r),
+        deepspeed=ds_config.build(r, bp, max_steps),  # fp16 loss scale from GA and the run length
         use_cpu=not on_gpu,
         logging_steps=r.train.logging_steps,
         logging_nan_inf_filter=False,  # a NaN must be seen, not averaged away
@@ -334,6 +334,7 @@ def worker(r: Recipe) -> None:
                       callbacks=[metrics, EvalDuringTraining(r, metrics), stop, commit, *faults.callbacks(model)])
     metrics.attach(trainer)
     metrics.count_labels(model)
+    metrics.watch_grads(model)  # fp16 underflow at large GA shows as zero gradient elements
     resume = last_committed(checkpoints_dir(r), quiet=rank != 0)
     if dist.is_initialized():
         dist.barrier()  # every rank has chosen before rank 0 removes anything
