@@ -15,13 +15,12 @@ tests expect), on stdout, in wandb when on; answers go to runs/<r>/train/samples
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from pathlib import Path
 
 from transformers import TrainerCallback
 
+from . import manifest as mf
 from .config import Recipe
 
 
@@ -100,7 +99,7 @@ class EvalDuringTraining(TrainerCallback):
         if not self._rewound:  # first step of this attempt: state.global_step is the step resumed from
             self._rewound = True
             if state.is_world_process_zero:
-                _rewind(self.samples_path, state.global_step)
+                mf.rewind_jsonl(self.samples_path, state.global_step)
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
         if not self._due(state) or model is None:
@@ -181,9 +180,7 @@ class EvalDuringTraining(TrainerCallback):
                          f"({samples[0]['set']}); e.g. {samples[0]['prediction']!r}")
         print(f"train: eval: {', '.join(parts)} [{row['eval_s']:.1f}s]", flush=True)
         if samples:
-            self.samples_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.samples_path, "a") as f:
-                f.writelines(json.dumps(s) + "\n" for s in samples)
+            mf.append_jsonl(self.samples_path, samples)
         if self.r.train.report_to == "wandb":
             import wandb
 
@@ -213,12 +210,4 @@ def _sample_prompts(r: Recipe):
     return rows, es, tok, stop
 
 
-def _rewind(path: Path, step: int) -> None:
-    """Resumed from `step`: answers logged after it by the interrupted attempt go; step 0: a fresh file."""
-    if not path.exists():
-        return
-    if step == 0:
-        path.unlink()
-        return
-    keep = [x for x in path.read_text().splitlines() if x.strip() and json.loads(x)["step"] <= step]
-    path.write_text("".join(x + "\n" for x in keep))
+

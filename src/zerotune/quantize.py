@@ -91,7 +91,7 @@ def quantize(r: Recipe, model_dir: Path | None = None) -> dict:
         raise
     finally:
         f16.unlink(missing_ok=True)
-    os.replace(tmp, out)  # an earlier GGUF is replaced only by one that passed its checks
+    mf.publish(tmp, out)  # an earlier GGUF is replaced only by one that passed its checks
     train_manifest = mf.read(r.out / "train" / "manifest.json") or {}
     data_manifest = mf.read(r.out / "data" / "manifest.json") or {}
     manifest = {"stage": "quantize", "recipe": r.name, "gguf": str(out), "type": qtype,

@@ -457,12 +457,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old_dir = out.with_name(out.name + ".old")
-    shutil.rmtree(old_dir, ignore_errors=True)
-    if out.exists():
-        os.replace(out, old_dir)
-    os.replace(tmp, out)
-    shutil.rmtree(old_dir, ignore_errors=True)
+    mf.publish(tmp, out)
     c = info["counts"]
     print(f"prepare: {c['rows_in']} rows -> {c['docs_out']} documents ({c['bad_skipped']} bad skipped, "
           f"{c['truncated']} truncated, {c['dropped_overlong']} dropped as over-long, {c['dropped_no_labels']} dropped "
