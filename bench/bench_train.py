@@ -81,6 +81,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(BENCH))
 
 from bench_stats import Steal, pct, ratio_stats  # noqa: E402
+from zerotune import manifest as mf  # noqa: E402
 
 # The three estimates of useful-token throughput whose ratios to the padded Trainer are reported
 METRICS = {"label_tokens_per_s": "measured", "label_tokens_per_s_long_run": "long-run",
@@ -285,10 +286,6 @@ def zt_overrides(a) -> list[str]:
             f"train.max_steps={a.steps}", f"train.global_batch_tokens={a.seq_len * HP['procs'] * a.grad_accum}"]
 
 
-def _probe_rows(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-
-
 def run_zerotune(a, log: Path, env: dict) -> dict:
     out = WORK / "probe-zerotune.jsonl"
     out.unlink(missing_ok=True)
@@ -296,8 +293,8 @@ def run_zerotune(a, log: Path, env: dict) -> dict:
                PYTHONPATH=os.pathsep.join(p for p in (str(BENCH / "probe"), env.get("PYTHONPATH")) if p))
     wall = _run([sys.executable, "-m", "zerotune", "train", str(RECIPE.relative_to(REPO)), *zt_overrides(a)],
                 log, env)
-    rows = _probe_rows(out)
-    own = {r["step"]: r for r in _probe_rows(ZT_OUT / "train" / "metrics.jsonl")}
+    rows = mf.read_jsonl(out)
+    own = {r["step"]: r for r in mf.read_jsonl(ZT_OUT / "train" / "metrics.jsonl")}
     for r in rows:  # zerotune's own metrics.jsonl, for comparison with the probe
         r["zerotune_metrics"] = {k: own.get(r["step"], {}).get(k) for k in
                                  ("step_time_s", "label_tokens_per_s", "peak_mem_gib_max_rank")}
@@ -316,7 +313,7 @@ def run_baseline(kind: str, a, spec: dict, log: Path, env: dict) -> dict:
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(Path(__file__).resolve()),
            "--worker", str(spec_path)]
     wall = _run(cmd, log, env)
-    return {"wall_s": wall, "rows": _probe_rows(Path(spec["out"]))}
+    return {"wall_s": wall, "rows": mf.read_jsonl(Path(spec["out"]))}
 
 
 def summarise(run: dict, warmup: int, long_run_eff: float, label_fraction: float) -> dict:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_stats import ratio_stats  # noqa: E402
+from zerotune import manifest as mf  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 T4_BYTES_PER_S = 320e9  # T4 memory bandwidth: decode reads every weight once per token
@@ -124,11 +125,11 @@ def history(results: Path) -> str:
     The spread is taken over the runs with the latest run's settings only (a run of other settings measures
     something else)."""
     hist = results / "history.jsonl"
-    rows = [json.loads(x) for x in hist.read_text().splitlines() if x.strip()] if hist.exists() else []
+    rows = mf.read_jsonl(hist)
     row = headline(results)
     if row and all(r["id"] != row["id"] for r in rows):
         rows.append(row)
-        hist.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        mf.append_jsonl(hist, row)
     rows = rows[-HISTORY_ROWS:]
     if len(rows) < 2:
         return ""
