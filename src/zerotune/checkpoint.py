@@ -73,6 +73,31 @@ def last_committed(ckpt_root: Path, quiet: bool = False) -> Path | None:
     return None
 
 
+def saved_world_size(ckpt: Path) -> int | None:
+    """How many data-parallel ranks wrote this checkpoint's ZeRO optimizer state: DeepSpeed writes one
+    `[bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt` per rank (deepspeed/runtime/engine.py
+    _get_rank_zero_ckpt_name). None when the checkpoint has no ZeRO shards (QLoRA without DeepSpeed)."""
+    ranks = {m.group(1) for f in Path(ckpt).glob("global_step*/*zero_pp_rank_*_optim_states.pt")
+             if (m := re.search(r"zero_pp_rank_(\d+)_", f.name))}
+    return len(ranks) or None
+
+
+def check_world_size(ckpt: Path | None, world: int) -> None:
+    """Refuse, before anything is loaded, to resume ZeRO shards at another world size: DeepSpeed partitions
+    the optimizer state by rank and refuses a different count only after the model is built
+    (deepspeed/runtime/engine.py _load_zero_checkpoint: "Automatic adjustment of ZeRO's optimizer state
+    partitioning with a new world size is not currently supported")."""
+    from .errors import UserError
+
+    saved = saved_world_size(ckpt) if ckpt is not None else None
+    if saved is not None and saved != world:
+        raise UserError(
+            f"{ckpt}: this ZeRO-3 checkpoint was written by {saved} processes and this run has {world}; DeepSpeed "
+            f"cannot repartition its optimizer state. Resume with {saved} GPUs (or train.cpu_procs={saved} on CPU), "
+            f"or move {Path(ckpt).parent} away to start from the beginning (DeepSpeed's universal-checkpoint "
+            "conversion, ds_to_universal, is not supported by zerotune).")
+
+
 def discard_after(ckpt_root: Path, resume: Path | None) -> list[str]:
     """Remove checkpoint folders newer than the resume point: they are partial or damaged (last_committed
     skipped them), and the resumed run would write into the same names, mixing stale files with new ones."""

@@ -5,12 +5,16 @@ DeepSpeed); rank 0 saves only the adapter. Publishing runs in a fresh process (`
 
 1. adapter reload: the saved adapter on a freshly loaded base (4-bit for QLoRA, the same
    quantization as in training) must reproduce the trained model's probe logits;
-2. merge: the adapter is applied to the base loaded in 16-bit (fp32 on CPU) and merged there,
-   never into a 4-bit base (peft #2321, transformers #31293); the merged model's logits must equal
-   base + adapter (unmerged, same 16-bit base) within `peft.merge_atol` (default 1e-3: an fp32
-   merge only reorders additions, measured max |diff| ~1e-6 on the tiny model);
-3. the merged model is saved to runs/<name>/model with the tokenizer and verified by reload
-   (`verify.verify_saved_model`), so quantize / check / serve run unchanged.
+2. merge: the adapter is applied to the base loaded on the CPU in the training dtype
+   (`verify.model_dtype`: 16-bit on GPUs, fp32 on CPU runs) and merged there, never into a 4-bit
+   base (peft #2321, transformers #31293); the merged model's logits must equal base + adapter
+   (unmerged, same base) within `peft.merge_atol` in fp32 (default 1e-3: an fp32 merge only
+   reorders additions, measured max |diff| ~1e-6 on the tiny model), and within the 16-bit reload
+   tolerance (`verify.logit_tolerance`) for a 16-bit merge, which rounds W + BA once;
+3. the merged model is saved (same dtype) to runs/<name>/model with the tokenizer, the in-memory
+   copies are freed, and it is verified by reload (`verify.verify_saved_model`), so quantize /
+   check / serve run unchanged. Peak host RAM: one 16-bit copy of the base plus the adapter and
+   one layer's merge temporaries (8B: 18.0 GB; `zerotune plan` prints it as "finalize").
 
 For QLoRA the 4-bit-trained adapter on the 16-bit base differs from the trained 4-bit model by
 the NF4 quantization error of the base; that difference is reported (`qlora_16bit_vs_4bit_logit_diff`)
@@ -19,6 +23,7 @@ but not gated.
 
 from __future__ import annotations
 
+import gc
 import shutil
 from pathlib import Path
 
@@ -119,7 +124,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .verify import SaveVerificationError, verify_saved_model
+    from .verify import SaveVerificationError, compare_logits, logit_tolerance, model_dtype, verify_saved_model
 
     for f in ADAPTER_FILES:
         if not (tmp / f).exists():
@@ -138,16 +143,20 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
     else:
         trained_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     reloaded = _logits(PeftModel.from_pretrained(trained_base, str(tmp)), probe)
-    d = (reloaded - ref_logits).abs().max().item()
-    tol = 1e-3 if ref["precision"] == "fp32" else 5e-2 * max(1.0, ref_logits.abs().max().item())
+    d = compare_logits(reloaded, ref_logits)["max_abs_logit_diff"]
+    tol = logit_tolerance(ref["precision"], ref_logits)
     if d > tol:
         raise SaveVerificationError(f"{tmp}: the reloaded adapter's logits differ from the trained model's by {d:.3g} "
                                     f"(tolerance {tol:.3g}).")
     report["adapter_reload_max_abs_logit_diff"] = d
     del trained_base
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()  # the 4-bit base leaves the GPU before the 16-bit work on the CPU
 
-    # 2. merge into the base loaded in fp32 (never into a 4-bit base)
-    base16 = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    # 2. merge into the base loaded on the CPU in the training dtype (never into a 4-bit base)
+    dtype = model_dtype(ref["precision"])
+    base16 = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
     n_base = sum(p.numel() for p in base16.parameters())
     pm = PeftModel.from_pretrained(base16, str(tmp))
     unmerged = _logits(pm, probe)
@@ -156,10 +165,12 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
     merged = pm.merge_and_unload()
     merged.config.use_cache = False  # as the full fine-tuning save (the trained model's config)
     merged_logits = _logits(merged, probe)
-    dm = (merged_logits - unmerged).abs().max().item()
-    if dm > r.peft.merge_atol:
+    dm = compare_logits(merged_logits, unmerged)["max_abs_logit_diff"]
+    mtol, what = ((r.peft.merge_atol, "peft.merge_atol") if dtype == torch.float32 else
+                  (logit_tolerance(ref["precision"], unmerged), f"the {ref['precision']} tolerance"))
+    if dm > mtol:
         raise SaveVerificationError(f"merged model's logits differ from base + adapter by {dm:.3g} "
-                                    f"(peft.merge_atol {r.peft.merge_atol}).")
+                                    f"({what} {mtol:.3g}).")
     report["merge_max_abs_logit_diff"] = dm
 
     # 3. save merged model (+ tokenizer), verify by reload, publish adapter/ and model/
@@ -167,7 +178,9 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
     shutil.rmtree(mtmp, ignore_errors=True)
     merged.save_pretrained(str(mtmp))
     tokenizer_save(mtmp)
-    saved = verify_saved_model(mtmp, n_base, probe, merged_logits, "fp32")
+    del merged, pm, base16  # the reload must not sit beside a second copy (8B: 16 GB each in 16-bit)
+    gc.collect()
+    saved = verify_saved_model(mtmp, n_base, probe, merged_logits, ref["precision"])
     report.update(params=saved["params"], files=saved["files"], max_abs_logit_diff=saved["max_abs_logit_diff"])
     adir = adapter_dir(r)
     shutil.rmtree(adir, ignore_errors=True)

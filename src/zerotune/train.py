@@ -27,6 +27,7 @@ from . import manifest as mf
 from .config import Recipe, resolve_path
 from .data.prepare import data_dir, load_tokenizer, require_prepared
 from .errors import UserError
+from .verify import model_dtype, probe_inputs
 
 
 def base_model_dir(r: Recipe) -> Path:
@@ -65,6 +66,7 @@ def finalize(r: Recipe) -> dict:
     from .metrics import plot_curves
     from .verify import verify_saved_model
 
+    torch.set_num_threads(job_cpus())  # CPU forwards over the reloaded model: every core the job was given
     tmp, out = staging_dir(r), final_model_dir(r)
     ref = torch.load(tmp / PROBE_FILE)
     if peft_utils.enabled(r):
@@ -249,13 +251,43 @@ def total_steps(n_sequences: int, bp: batchmod.BatchPlan, r: Recipe) -> int:
     return max(1, int(per_epoch * r.train.epochs))
 
 
-def _torch_dtype(precision: str):
-    import torch
-
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+def job_cpus() -> int:
+    """CPUs this job may use: the process's affinity mask (SLURM's cgroup/cpuset), capped by SLURM_CPUS_ON_NODE."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    slurm = os.environ.get("SLURM_CPUS_ON_NODE", "")
+    return max(1, min(n, int(slurm)) if slurm.isdigit() else n)
 
 
 def worker(r: Recipe) -> None:
+    """Train and save on every rank; then the other ranks exit and rank 0, with the trainer freed, runs finalize.
+
+    Finalize runs without any collective, so no rank waits in a barrier (ddp_timeout) while it reloads and
+    checks the model, and the GPU and host memory of the training states is released first (a QLoRA
+    finalize reloads the 4-bit base on the same GPU; an optimizer offload pins host RAM)."""
+    import gc
+
+    import torch
+
+    model_ref = _train_and_save(r)
+    if model_ref is None:
+        return
+    gc.collect()  # the Trainer, DeepSpeed engine and callbacks reference each other: cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if model_ref() is not None:
+        print("train: warning: the trained model is still referenced after training; finalize runs beside it",
+              flush=True)
+    # Verify and publish in a fresh process: reloading here would run ZeRO-3 collectives, and
+    # the same step must run whether torchrun was started by `zerotune train` or by sbatch.
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env["OMP_NUM_THREADS"] = str(job_cpus())  # the launcher set 1 per training rank; finalize is alone now
+    subprocess.check_call([sys.executable, "-m", "zerotune", *sys.argv[1:], "--finalize"], env=env)
+
+
+def _train_and_save(r: Recipe):
+    """Returns a weak reference to the trained model on the rank that must finalize, else None."""
+    import weakref
+
     from .checkpoint import StopOnSignal
 
     stop = StopOnSignal()  # first: a SIGUSR1 while loading must be remembered, not kill the process
@@ -265,12 +297,13 @@ def worker(r: Recipe) -> None:
     from transformers import AutoModelForCausalLM, Trainer
 
     from . import faults
-    from .checkpoint import (REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopBeforeTraining, describe_failure,
-                             discard_after, last_committed, step_of)
+    from .checkpoint import (REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopBeforeTraining, check_world_size,
+                             describe_failure, discard_after, last_committed, step_of)
     from .evaluation import EvalDuringTraining
     from .metrics import StepMetrics, flops_per_token
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    check_world_size(last_committed(checkpoints_dir(r), quiet=True), world)  # before anything is loaded
     # DeepSpeed 0.19 calls this torch API on every ZeRO-3 reduce: hundreds of identical lines per run bury the log
     warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
     if r.train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
@@ -310,7 +343,7 @@ def worker(r: Recipe) -> None:
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
                                     cross_entropy=False)
     src = base_model_dir(r)
-    load_kw = {"dtype": _torch_dtype(choice.precision), **peft_utils.load_kwargs(r, gpu.capability is not None)}
+    load_kw = {"dtype": model_dtype(choice.precision), **peft_utils.load_kwargs(r, gpu.capability is not None)}
     model = AutoModelForCausalLM.from_pretrained(str(src), attn_implementation=choice.attention, **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
 
@@ -334,7 +367,8 @@ def worker(r: Recipe) -> None:
                       callbacks=[metrics, EvalDuringTraining(r, metrics), stop, commit, *faults.callbacks(model)])
     metrics.attach(trainer)
     metrics.count_labels(model)
-    metrics.watch_grads(model)  # fp16 underflow at large GA shows as zero gradient elements
+    # fp16 underflow at large GA shows as zero gradient elements; Liger fp16 lm_head grads can overflow unscaled
+    metrics.watch_grads(model, check_lm_head=choice.liger and choice.precision == "fp16")
     resume = last_committed(checkpoints_dir(r), quiet=rank != 0)
     if dist.is_initialized():
         dist.barrier()  # every rank has chosen before rank 0 removes anything
@@ -373,10 +407,12 @@ def worker(r: Recipe) -> None:
             dist.barrier()
         sys.exit(REQUEUE_EXIT)
 
-    probe = {k: v[:1].to(args.device) for k, v in collate([train_ds[0]]).items() if k != "labels"}
+    # a short prefix of one row, logits kept in the training dtype: size bounded whatever seq_len (verify.py)
+    probe = {k: v.to(args.device) for k, v in probe_inputs(collate([train_ds[0]])).items()}
     with torch.no_grad():
         trainer.model_wrapped.eval()
-        ref_logits = trainer.model_wrapped(**probe, use_cache=False).logits.float().cpu()  # as finalize
+        ref_logits = trainer.model_wrapped(**probe, use_cache=False).logits  # use_cache=False as finalize
+        ref_logits = ref_logits.to(model_dtype(choice.precision)).cpu()
     tmp = staging_dir(r)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -394,9 +430,7 @@ def worker(r: Recipe) -> None:
             "batch": {"global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
                       "micro_batch_size": bp.micro_batch_size, "grad_accum": bp.grad_accum},
             "steps": steps, "elapsed_s": round(elapsed, 1), "base": str(src)})
-        # Verify and publish in a fresh process: reloading here would run ZeRO-3 collectives, and
-        # the same step must run whether torchrun was started by `zerotune train` or by sbatch.
-        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
-        subprocess.check_call([sys.executable, "-m", "zerotune", *sys.argv[1:], "--finalize"], env=env)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier()  # the last collective: every rank has saved, rank 0 has written the probe
+        dist.destroy_process_group()
+    return weakref.ref(model) if rank == 0 else None

@@ -1,0 +1,118 @@
+"""Finalize and resume checks (issue 19 items 1, 2, 8): a bounded probe, finalize's host RAM at 8B, and
+the world-size check of ZeRO-3 checkpoints. Unit tests: seconds, no training."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerotune.config import load_recipe
+from zerotune.errors import UserError
+from zerotune.verify import PROBE_TOKENS, dtype_bytes, model_dtype, probe_bytes, probe_inputs
+
+LLAMA8B_PARAMS = 8_030_261_248
+LLAMA8B_VOCAB = 128_256
+
+
+def _probe_tokens(seq_len: int) -> int:
+    """The probe the worker takes from one packed row of this recipe's data.seq_len."""
+    from zerotune.train import _collate_packed
+
+    r = load_recipe("llama8b_zero3", [f"data.seq_len={seq_len}"])
+    n = r.data.seq_len
+    row = {"input_ids": list(range(n)), "labels": list(range(n)), "position_ids": list(range(n))}
+    probe = probe_inputs(_collate_packed([row]))
+    assert set(probe) == {"input_ids", "position_ids"}  # labels are not needed to get logits
+    shapes = {tuple(v.shape) for v in probe.values()}
+    assert len(shapes) == 1
+    return shapes.pop()[1]
+
+
+def test_probe_size_does_not_grow_with_seq_len():
+    assert _probe_tokens(16384) == _probe_tokens(2048) == PROBE_TOKENS
+    assert _probe_tokens(128) == 128  # a row shorter than the probe is taken whole
+
+
+def test_stored_probe_is_bounded_at_8b():
+    import torch
+
+    # fp16 training stores 256 x 128,256 x 2 B; a whole 16K row in fp32 was 8.4 GB
+    assert probe_bytes(LLAMA8B_VOCAB, "fp16") == 256 * 128_256 * 2 == 65_667_072
+    assert probe_bytes(LLAMA8B_VOCAB, "fp16") * 100 < 16_384 * LLAMA8B_VOCAB * 4
+    # and it is what torch allocates for logits of that shape in the training dtype (meta: no memory)
+    logits = torch.empty(1, PROBE_TOKENS, LLAMA8B_VOCAB, dtype=model_dtype("fp16"), device="meta")
+    assert logits.numel() * logits.element_size() == probe_bytes(LLAMA8B_VOCAB, "fp16")
+    assert model_dtype("fp32") == torch.float32 and model_dtype("bf16") == torch.bfloat16
+    assert dtype_bytes("fp32") == 4 and dtype_bytes("fp16") == 2
+
+
+def test_finalize_host_ram_of_the_qlora_merge_at_8b():
+    from zerotune.plan import compute_plan, format_plan
+    from zerotune.planner.finalize import INTERPRETER_BYTES
+
+    r = load_recipe("llama8b_qlora_t4")
+    p = compute_plan(r)
+    assert p["model"]["n_params"] == LLAMA8B_PARAMS
+    parts = p["finalize"]["parts"]
+    # fp16 base (T4 trains in fp16), r=16 adapters on the 7 linears of 32 layers in fp32,
+    # B @ A of the largest linear (14336 x 4096) in fp32 plus its fp16 cast, 3 fp32 probe logits
+    lora = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert lora == 41_943_040
+    expected = (LLAMA8B_PARAMS * 2 + lora * 4 + 14336 * 4096 * (4 + 2) + 3 * 256 * LLAMA8B_VOCAB * 4
+                + INTERPRETER_BYTES)
+    assert sum(parts.values()) == p["finalize"]["peak_bytes"] == expected
+    assert 17.5e9 < expected < 18.5e9 <= 32e9  # the recipe comment says 18.0 GB, within plan.cpu_ram_gb 32
+    assert "finalize (after training, CPU): peak host RAM 18.0 GB of 32 GB (plan.cpu_ram_gb): fits" in format_plan(p)
+    assert not any("finalize" in w for w in p["warnings"])
+    small = compute_plan(load_recipe("llama8b_qlora_t4", ["plan.cpu_ram_gb=16"]))
+    assert any("finalize" in w and "18.0 GB" in w for w in small["warnings"])
+    assert "DOES NOT FIT" in format_plan(small)
+
+
+def test_finalize_host_ram_of_full_fine_tuning_has_no_merge_terms():
+    from zerotune.plan import compute_plan
+
+    parts = compute_plan(load_recipe("llama8b_zero3"))["finalize"]["parts"]
+    assert not any("adapter" in k or "merge" in k for k in parts)
+    assert next(v for k, v in parts.items() if k.startswith("model")) == 2 * LLAMA8B_PARAMS
+
+
+def _fake_zero_checkpoint(root, ranks: int, step: int = 4):
+    ckpt = root / f"checkpoint-{step}"
+    (ckpt / f"global_step{step}").mkdir(parents=True)
+    for i in range(ranks):  # the names DeepSpeed writes (engine.py _get_rank_zero_ckpt_name)
+        (ckpt / f"global_step{step}" / f"zero_pp_rank_{i}_mp_rank_00_optim_states.pt").write_bytes(b"")
+        (ckpt / f"global_step{step}" / f"zero_pp_rank_{i}_mp_rank_00_model_states.pt").write_bytes(b"")
+    return ckpt
+
+
+def test_world_size_of_a_zero_checkpoint_is_checked(tmp_path):
+    from zerotune.checkpoint import check_world_size, saved_world_size
+
+    ckpt = _fake_zero_checkpoint(tmp_path / "checkpoints", 4)
+    assert saved_world_size(ckpt) == 4
+    check_world_size(ckpt, 4)
+    check_world_size(None, 1)  # nothing to resume
+    with pytest.raises(UserError) as e:
+        check_world_size(ckpt, 2)
+    msg = str(e.value)
+    assert "written by 4 processes and this run has 2" in msg and "Resume with 4 GPUs" in msg
+    assert str(tmp_path / "checkpoints") in msg and "\n" not in msg
+    plain = tmp_path / "plain" / "checkpoint-2"  # no DeepSpeed (QLoRA): any world size may resume
+    plain.mkdir(parents=True)
+    (plain / "adapter_model.safetensors").write_bytes(b"")
+    assert saved_world_size(plain) is None
+    check_world_size(plain, 3)
+
+
+def test_finalize_gets_the_jobs_cpus(monkeypatch):
+    import os
+
+    from zerotune.train import job_cpus
+
+    mine = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
+    assert job_cpus() == mine
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "1")
+    assert job_cpus() == 1
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "4096")  # the affinity mask is the tighter bound here
+    assert job_cpus() == mine
