@@ -42,9 +42,9 @@ demo: setup  ## the whole chain on CPU: prepare -> finetune -> quantize -> eval 
 	$(ZT) eval $(RECIPE) $(ARGS)
 	$(ZT) check $(RECIPE) $(ARGS)
 	@# where the result is and what to run next; on stderr, so the JSON summary stays the last line of stdout
-	@$(PY) -c 'import sys; from zerotune.config import load_recipe; from zerotune.quantize import gguf_path; \
+	@$(PY) -c 'import sys; from zerotune.config import load_recipe; from zerotune.layout import layout; \
 	r = load_recipe(sys.argv[1], sys.argv[2:]); a = " ".join(sys.argv[2:]); \
-	print(f"demo: done; the GGUF is {gguf_path(r)}\nnext: make serve RECIPE={sys.argv[1]}" + (f" ARGS=\"{a}\"" if a else "") \
+	print(f"demo: done; the GGUF is {layout(r).gguf}\nnext: make serve RECIPE={sys.argv[1]}" + (f" ARGS=\"{a}\"" if a else "") \
 	+ f"   # OpenAI-compatible API on http://{r.serve.host}:{r.serve.port}/v1", file=sys.stderr)' $(RECIPE) $(ARGS)
 
 lint: setup  ## ruff (pyflakes + syntax errors) over the code, tests, bench and scripts (CI runs it)

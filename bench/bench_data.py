@@ -99,7 +99,8 @@ def main() -> None:
     from datasets import load_from_disk
 
     from zerotune.config import from_dict
-    from zerotune.data.prepare import data_dir, load_tokenizer, prepare
+    from zerotune.data.prepare import load_tokenizer, prepare
+    from zerotune.layout import layout
 
     with tempfile.TemporaryDirectory(prefix="zt-bench-data-") as tmp:
         tmp = Path(tmp)
@@ -156,7 +157,7 @@ def main() -> None:
                                  "seq_len": max(args.seq_len, max(len(ids) for ids, _ in base)),
                                  "sources": [{"path": str(_head(src, tmp / "sub.jsonl", len(sub)))}]}})
         prepare(r2, rebuild=True, histogram=False)
-        mine = load_from_disk(str(data_dir(r2) / "train"))
+        mine = load_from_disk(str(layout(r2).data / "train"))
         exact = all(mine[i]["input_ids"] == base[i][0] and mine[i]["labels"] == base[i][1] for i in range(len(sub)))
 
     med = {k: statistics.median(x[k] for x in runs) for k in runs[0] if not k.startswith("steal")}

@@ -33,7 +33,8 @@ def main(recipe: str = "smollm2") -> None:
     from zerotune.config import load_recipe
     from zerotune.evaluate import eval_sets, load_rows
     from zerotune.gguf_checks import read_header
-    from zerotune.quantize import gguf_path, quantize
+    from zerotune.layout import layout
+    from zerotune.quantize import quantize
     from zerotune.scorers import score
 
     rows_out = []
@@ -41,7 +42,7 @@ def main(recipe: str = "smollm2") -> None:
         r = load_recipe(recipe, [f"quantize.type={qtype}", f"output_dir=runs/{recipe}"])
         t0 = time.time()
         manifest = quantize(r)
-        gguf = gguf_path(r)
+        gguf = layout(r).gguf
         types: dict[str, int] = {}
         for t in read_header(gguf).tensors:
             types[t.type_name] = types.get(t.type_name, 0) + 1
@@ -50,7 +51,7 @@ def main(recipe: str = "smollm2") -> None:
         llm = load_gguf(gguf, n_ctx=2048)
         try:
             answers, _ = gguf_answers(llm, rows, task.max_new_tokens)
-            agreement = logit_agreement(llm, r.out / "model", heldout_documents(r, r.check.n_kl_texts))
+            agreement = logit_agreement(llm, layout(r).model, heldout_documents(r, r.check.n_kl_texts))
         finally:
             llm.close()
         task_score = sum(score(task.scorer, a, row) for a, row in zip(answers, rows)) / len(rows)

@@ -22,11 +22,10 @@ import sys
 from pathlib import Path
 
 from zerotune import manifest as mf
-from zerotune.checkpoint import REQUEUE_EXIT, STOPPED_FILE, last_committed
+from zerotune.checkpoint import REQUEUE_EXIT, last_committed
 from zerotune.config import load_recipe
 from zerotune.errors import UserError, report
-
-NO_PROGRESS_FILE = "stopped_before_training.json"  # this job's last attempt stopped without training a step
+from zerotune.layout import RunLayout, layout
 
 
 def preflight(recipe: str, overrides: list[str]) -> int:
@@ -45,7 +44,7 @@ def preflight(recipe: str, overrides: list[str]) -> int:
             before_launch(r)
     except UserError as e:
         return report(e)
-    (r.out / "train" / STOPPED_FILE).unlink(missing_ok=True)  # only this attempt's workers may write it
+    layout(r).stopped.unlink(missing_ok=True)  # only this attempt's workers may write it
     print(procs, "GPU" if gpus else "CPU", r.out)
     return 0
 
@@ -56,7 +55,7 @@ def torchrun(run_dir: Path, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    stopped = run_dir / "train" / STOPPED_FILE
+    stopped = RunLayout(run_dir).stopped
 
     def unless_stopped(_record) -> bool:
         return not stopped.exists()
@@ -76,9 +75,9 @@ def torchrun(run_dir: Path, argv: list[str]) -> int:
 
 def outcome(run_dir: Path, srun_rc: int) -> int:
     job = os.environ.get("SLURM_JOB_ID", "?")
-    train = run_dir / "train"
-    stopped = mf.read(train / STOPPED_FILE)
-    no_progress = train / NO_PROGRESS_FILE
+    run = RunLayout(run_dir)
+    stopped = mf.read(run.stopped)
+    no_progress = run.no_progress
     if stopped and stopped.get("committed"):
         no_progress.unlink(missing_ok=True)
         print(f"finetune: stopped by {stopped['signal']} at step {stopped['step']}: checkpoint committed "
@@ -98,9 +97,9 @@ def outcome(run_dir: Path, srun_rc: int) -> int:
         return REQUEUE_EXIT
     no_progress.unlink(missing_ok=True)
     if srun_rc == 0:
-        print(f"finetune: finished: model published in {run_dir / 'model'}", flush=True)
+        print(f"finetune: finished: model published in {run.model}", flush=True)
         return 0
-    good = last_committed(run_dir / "checkpoints", quiet=True)
+    good = last_committed(run.checkpoints, quiet=True)
     print(f"finetune: training failed (srun exit {srun_rc}); not requeued. "
           + (f"Last committed checkpoint: {good}; resubmitting the same command resumes from it."
              if good else "No checkpoint was committed; resubmitting starts from the beginning."), flush=True)

@@ -10,7 +10,8 @@ import pytest
 
 from zerotune.config import from_dict
 from zerotune.data import prepare as prep
-from zerotune.data.prepare import StaleDataError, data_dir, prepare, require_prepared
+from zerotune.data.prepare import StaleDataError, prepare, require_prepared
+from zerotune.layout import layout
 from zerotune.data.sources import BadSample, SourceError
 from zerotune.data.tokenize import IGNORE, TemplateError, encode_chat
 
@@ -47,7 +48,7 @@ def run(r, **kw):
 def rows_of(r, split="train"):
     from datasets import load_from_disk
 
-    return load_from_disk(str(data_dir(r) / split))[:]
+    return load_from_disk(str(layout(r).data / split))[:]
 
 
 def split_docs(rows):
@@ -187,9 +188,9 @@ def test_failed_prepare_keeps_previous_cache(tmp_path, tokenizer_dir, chat_file)
         f.write('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"\n')
     with pytest.raises(BadSample, match=r"chat\.jsonl line 25: malformed JSON.*on_bad_sample: skip"):
         run(r)
-    assert (data_dir(r) / "manifest.json").exists() and rows_of(r) == before
-    assert json.loads((data_dir(r) / "manifest.json").read_text())["fingerprint"] == m1["fingerprint"]
-    assert not data_dir(r).with_name("data.tmp").exists()
+    assert (layout(r).data / "manifest.json").exists() and rows_of(r) == before
+    assert json.loads((layout(r).data / "manifest.json").read_text())["fingerprint"] == m1["fingerprint"]
+    assert not layout(r).data.with_name("data.tmp").exists()
     with pytest.raises(StaleDataError):  # the old cache is kept but training still refuses it: the source changed
         require_prepared(r)
 
@@ -348,5 +349,5 @@ def test_num_proc_2_matches_num_proc_1(tmp_path, tokenizer_dir, monkeypatch):
 def test_cli_progress_and_histogram(tmp_path, tokenizer_dir, chat_file):
     r = recipe(tmp_path, tokenizer_dir, [str(chat_file)])
     prepare(r)  # default: histogram written
-    assert (data_dir(r) / "lengths.png").stat().st_size > 1000
-    assert (data_dir(r) / "recipe.resolved.yaml").exists()
+    assert (layout(r).data / "lengths.png").stat().st_size > 1000
+    assert (layout(r).data / "recipe.resolved.yaml").exists()

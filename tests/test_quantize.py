@@ -101,11 +101,12 @@ def _odd_model(dst: Path, tokenizer_dir: Path) -> Path:
 
 
 def test_dimension_not_multiple_of_32_caught_and_earlier_gguf_kept(tiny_gguf, tokenizer_dir, tmp_path):
-    from zerotune.quantize import gguf_path, quantize
+    from zerotune.layout import layout
+    from zerotune.quantize import quantize
 
     r = _recipe(tmp_path / "run", "q8_0")
     _odd_model(r.out / "model", tokenizer_dir)
-    earlier = gguf_path(r)
+    earlier = layout(r).gguf
     earlier.parent.mkdir(parents=True)
     shutil.copyfile(tiny_gguf, earlier)  # a good GGUF from an earlier run
     before = earlier.read_bytes()
@@ -119,12 +120,13 @@ def test_quantize_k_quant_end_to_end(tiny_model_dir, tmp_path):
     """q4_k_m through llama.cpp's quantizer. Every tiny row (64/128) is shorter than a 256 K-block, so
     llama.cpp falls back per tensor to 32-block types: accepted, and listed as fallbacks in the report."""
     from zerotune import manifest as mf
-    from zerotune.quantize import gguf_path, quantize
+    from zerotune.layout import layout
+    from zerotune.quantize import quantize
 
     r = _recipe(tmp_path / "run", "q4_k_m")
     shutil.copytree(tiny_model_dir, r.out / "model")
     m = quantize(r)
-    out = gguf_path(r)
+    out = layout(r).gguf
     assert out.exists() and m["sha256"] == mf.sha256(out) and m["bytes"] == out.stat().st_size
     assert mf.read(out.parent / "manifest.json")["sha256"] == m["sha256"]
     hdr = read_header(out)

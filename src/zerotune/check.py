@@ -28,8 +28,8 @@ from .config import Recipe
 from .errors import MissingInputError, UserError
 from .gguf_checks import CHAT_FORMAT
 from .hardware import GPUS, LLAMA_CPP_OVERHEAD_GIB
+from .layout import layout
 from .quant_types import quant_type
-from .quantize import gguf_path
 
 # A GGUF argmax that HF rates within this many nats of its own top token counts as a near-tie agreement. On
 # a random-init model (near-flat distributions, median top-1/top-2 margin ~0.1 nats) Q8_0 noise flips ~10%
@@ -93,7 +93,7 @@ def heldout_documents(r: Recipe, limit: int) -> list[tuple[list[int], list[int]]
     from datasets import load_from_disk
 
     docs: list[list[int]] = []
-    eval_dir = r.out / "data" / "eval"
+    eval_dir = layout(r).data / "eval"
     if eval_dir.exists():
         for row in load_from_disk(str(eval_dir)):
             ids, pos, labels = row["input_ids"], row["position_ids"], row["labels"]
@@ -180,16 +180,8 @@ def speed(llm, n_prompt: int = 64, n_decode: int = 32) -> dict:
     return {"prompt_tokens_per_s": round(n_prompt / (t1 - t0), 1), "decode_tokens_per_s": round(n_decode / (t2 - t1), 1)}
 
 
-def base_model_for_check(r: Recipe) -> Path:
-    from .train import base_model_dir
-
-    return base_model_dir(r)
-
-
 def check(r: Recipe) -> int:
-    from .train import final_model_dir
-
-    model_dir, gguf = final_model_dir(r), gguf_path(r)
+    model_dir, gguf = layout(r).model, layout(r).gguf
     for p, what in ((model_dir, "finetune"), (gguf, "quantize")):
         if not p.exists():
             raise MissingInputError(f"{p} not found. Run `make {what} RECIPE={r.name}` first.")
@@ -252,7 +244,7 @@ def check(r: Recipe) -> int:
     if agreement["mean_kl"] is not None and gated_top1 < min_top1:
         failures.append(f"top-1 agreement on assistant tokens {gated_top1:.4f} < {min_top1} for {qtype}")
     res["passed"], res["failures"] = not failures, failures
-    out = r.out / "check"
+    out = layout(r).check
     mf.write(out / "check.json", res)
     mf.write_resolved_recipe(out, r)
     _print_table(res)

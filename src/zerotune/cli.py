@@ -8,6 +8,7 @@ import sys
 
 from .config import explain, load_recipe
 from .errors import EXIT_CODE, UserError, hand_off, report
+from .layout import layout
 from .quiet import silence_known_noise
 
 STAGES = ["prepare", "train", "quantize", "check", "eval", "serve", "plan", "explain"]
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if args.stage == "train" and "LOCAL_RANK" in os.environ:  # a torchrun worker: report once, not per rank
             if r is not None:
-                return hand_off(r.out / "train", e)
+                return hand_off(layout(r).train, e)
             return report(e) if os.environ["LOCAL_RANK"] == "0" else EXIT_CODE
         return report(e)
 

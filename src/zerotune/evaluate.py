@@ -15,10 +15,7 @@ from pathlib import Path
 from . import manifest as mf
 from .config import EvalSetCfg, Recipe, resolve_path
 from .errors import MissingInputError, UserError
-
-
-def eval_dir(r: Recipe) -> Path:
-    return r.out / "eval"
+from .layout import layout
 
 
 def eval_sets(r: Recipe) -> list[EvalSetCfg]:
@@ -78,16 +75,14 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
     `check` and `eval` on the same models generate once (greedy decoding: the same inputs give the same text)."""
     import hashlib
 
-    from .check import base_model_for_check, gguf_answers, hf_generate, load_gguf, load_hf
-    from .quantize import gguf_path
-    from .train import final_model_dir
+    from .check import gguf_answers, hf_generate, load_gguf, load_hf
 
-    models = {"base": base_model_for_check(r), "hf": final_model_dir(r), "gguf": gguf_path(r)}
+    models = {"base": layout(r).base, "hf": layout(r).model, "gguf": layout(r).gguf}
     if not (models["hf"] / "config.json").exists():
         raise MissingInputError(f"{models['hf']}: no fine-tuned model; run `zerotune train {r.name}` first.")
     if not models["gguf"].exists():
         raise MissingInputError(f"{models['gguf']}: no GGUF; run `zerotune quantize {r.name}` first.")
-    cache_file = eval_dir(r) / "answers.json"
+    cache_file = layout(r).eval / "answers.json"
     cache = mf.read(cache_file) or {}
     keys = {(which, es.name): hashlib.sha256(json.dumps([which, _identity(Path(models[which])), rows_by_set[es.name],
                                                          es.max_new_tokens]).encode()).hexdigest()[:16]
@@ -149,7 +144,7 @@ def evaluate(r: Recipe) -> int:
         if es.max_drop is not None and line["hf"] < line["base"] - es.max_drop:
             failures.append(f"{es.name}: fine-tuned HF {line['hf']:.3f} is more than {es.max_drop} below the base "
                             f"model's {line['base']:.3f} (eval.sets[{es.name}].max_drop)")
-    out = eval_dir(r)
+    out = layout(r).eval
     out.mkdir(parents=True, exist_ok=True)
     examples = {es.name: [{"prompt": row["messages"][-1].get("content"), "reference": row["answer"],
                            **{m: scored["sets"][es.name][m]["answers"][i] for m in ("base", "hf", "gguf")}}
@@ -282,13 +277,12 @@ def run_lm_eval(r: Recipe, es: EvalSetCfg, rows: list[dict]) -> dict:
 
     from .gguf_checks import hf_end_tokens
     from .serve import build_app
-    from .train import final_model_dir
 
-    model_dir = final_model_dir(r)
+    model_dir = layout(r).model
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     turn_end = hf_end_tokens(tok, model_dir)["turn_end_id"]
     task_dir = write_local_task(r, es, rows, tok.decode([turn_end]) if turn_end is not None else None,
-                                eval_dir(r) / "lm_eval_task")
+                                layout(r).eval / "lm_eval_task")
     tm = TaskManager(include_path=str(task_dir))
     common = {"tasks": list(r.eval.lm_eval_tasks), "task_manager": tm, "limit": r.eval.lm_eval_limit,
               "apply_chat_template": True, "log_samples": False, "bootstrap_iters": 0, "batch_size": 1}

@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from . import manifest as mf
 from .config import Recipe
+from .layout import layout
 
 
 def _dist():
@@ -80,13 +81,11 @@ class EvalDuringTraining(TrainerCallback):
     """Validation loss + samples at every `train.eval_steps` and at the last step (see the module docstring)."""
 
     def __init__(self, r: Recipe, step_metrics=None):
-        from .data.prepare import data_dir
-
         self.r = r
         self.every = r.train.eval_steps
         self.step_metrics = step_metrics
-        self.eval_path = data_dir(r) / "eval"
-        self.samples_path = r.out / "train" / "samples.jsonl"
+        self.eval_path = layout(r).data / "eval"
+        self.samples_path = layout(r).samples
         self._ds = None
         self._prompts = None
         self._rewound = False
@@ -197,7 +196,6 @@ def _sample_prompts(r: Recipe):
     from .data.prepare import load_tokenizer
     from .evaluate import eval_sets, load_rows
     from .gguf_checks import hf_end_tokens
-    from .train import base_model_dir
 
     sets = eval_sets(r)
     if not sets:
@@ -205,7 +203,7 @@ def _sample_prompts(r: Recipe):
     es = sets[0]
     rows = load_rows(es)[: r.eval.samples]
     tok = load_tokenizer(r)
-    ends = hf_end_tokens(tok, base_model_dir(r))
+    ends = hf_end_tokens(tok, layout(r).base)
     stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
     return rows, es, tok, stop
 

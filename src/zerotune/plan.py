@@ -16,6 +16,7 @@ from . import ds_config, hardware
 from . import manifest as mf
 from .config import Recipe
 from .errors import UserError
+from .layout import layout
 from .quant_types import QUANT_TYPES
 from .planner.memory import GiB, ModelConfigError, memory_breakdown, model_shape
 
@@ -119,7 +120,7 @@ def _step_time(r, shape, g, gpu_name, seq, world) -> dict:
 
 
 def _data_steps(r: Recipe) -> dict:
-    man = mf.read(r.out / "data" / "manifest.json")
+    man = mf.read(layout(r).data / "manifest.json")
     if not man or "tokens" not in man:
         return {"train_tokens": None, "steps_per_epoch": None, "total_steps": None}
     tokens = man["tokens"]["train_total"]
@@ -332,7 +333,7 @@ def plot_memory(p: dict, path) -> None:
 
 def plan_main(r: Recipe, as_json: bool = False) -> int:
     p = compute_plan(r)  # PlanError / CapabilityError: user errors, reported by cli.main
-    out = r.out / "plan"
+    out = layout(r).plan
     plot_memory(p, out / "memory.png")
     mf.write(out / "plan.json", p)
     print(json.dumps(p, indent=2, default=str) if as_json else format_plan(p) + f"\n\nwrote {out / 'memory.png'}")

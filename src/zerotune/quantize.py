@@ -18,25 +18,12 @@ from . import manifest as mf
 from .config import REPO_ROOT, Recipe
 from .errors import MissingInputError, UserError
 from .gguf_checks import inspect_gguf
+from .layout import layout
 from .quant_types import QUANT_TYPES
 
 CONVERTER = REPO_ROOT / "assets" / "llama.cpp" / "convert_hf_to_gguf.py"
 CONVERTER_TYPES = {k for k, q in QUANT_TYPES.items() if q.producer == "converter"}
 QUANTIZER_TYPES = {k: q.ftype for k, q in QUANT_TYPES.items() if q.producer == "quantizer"}
-
-
-def gguf_dir(r: Recipe) -> Path:
-    return r.out / "gguf"
-
-
-def gguf_path(r: Recipe) -> Path:
-    return gguf_dir(r) / f"{r.name}-{r.quantize.type.lower()}.gguf"
-
-
-def source_model_dir(r: Recipe) -> Path:
-    from .train import final_model_dir
-
-    return final_model_dir(r)
 
 
 def run_converter(model_dir: Path, outtype: str, outfile: Path) -> None:
@@ -71,10 +58,10 @@ def quantize(r: Recipe, model_dir: Path | None = None) -> dict:
     if qtype not in CONVERTER_TYPES | set(QUANTIZER_TYPES):
         raise UserError(f"quantize.type '{qtype}' is not supported. Use one of "
                          f"{sorted(CONVERTER_TYPES)} (converter) or {sorted(QUANTIZER_TYPES)} (quantizer).")
-    model_dir = Path(model_dir or source_model_dir(r))
+    model_dir = Path(model_dir or layout(r).model)
     if not (model_dir / "config.json").exists():
         raise MissingInputError(f"no trained model in {model_dir} (no config.json). Run `make finetune RECIPE={r.name}` first.")
-    out = gguf_path(r)
+    out = layout(r).gguf
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     f16 = out.with_name(out.stem + ".f16.tmp")
@@ -92,14 +79,14 @@ def quantize(r: Recipe, model_dir: Path | None = None) -> dict:
     finally:
         f16.unlink(missing_ok=True)
     mf.publish(tmp, out)  # an earlier GGUF is replaced only by one that passed its checks
-    train_manifest = mf.read(r.out / "train" / "manifest.json") or {}
-    data_manifest = mf.read(r.out / "data" / "manifest.json") or {}
+    train_manifest = mf.read(layout(r).train / "manifest.json") or {}
+    data_manifest = mf.read(layout(r).data / "manifest.json") or {}
     manifest = {"stage": "quantize", "recipe": r.name, "gguf": str(out), "type": qtype,
                 "sha256": digest, "bytes": size, "source_model": str(model_dir),
                 "source_model_sha256": train_manifest.get("model_sha256"),
                 "data_fingerprint": data_manifest.get("fingerprint"), "checks": report}
-    mf.write(gguf_dir(r) / "manifest.json", manifest)
-    mf.write_resolved_recipe(gguf_dir(r), r)
+    mf.write(layout(r).gguf_dir / "manifest.json", manifest)
+    mf.write_resolved_recipe(layout(r).gguf_dir, r)
     print(f"quantize: wrote {out} ({size / 2**20:.1f} MiB, {qtype}); checks passed: "
           f"{report['summary']}", flush=True)
     return manifest

@@ -22,7 +22,7 @@ from pathlib import Path
 from .config import Recipe
 from .errors import MissingInputError, UserError
 from .gguf_checks import CHAT_FORMAT, chat_template_of
-from .quantize import gguf_path
+from .layout import layout
 
 
 REQUIRED_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
@@ -57,7 +57,7 @@ def build_app(r: Recipe, gguf: Path | None = None):
     from llama_cpp.server.app import create_app
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
-    gguf = Path(gguf or gguf_path(r))
+    gguf = Path(gguf or layout(r).gguf)
     if not gguf.exists():
         raise MissingInputError(f"{gguf} not found. Run `make quantize RECIPE={r.name}` first.")
     require_chat_template(gguf)
@@ -114,7 +114,7 @@ def serve(r: Recipe) -> int:
     app, server = build_app(r)
     if server.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
         print(f"serve: WARNING: listening on {server.host} without an API key; set ZEROTUNE_API_KEY.", flush=True)
-    print(f"serve: {gguf_path(r).name} as model '{r.name}' on http://{server.host}:{server.port}/v1 "
+    print(f"serve: {layout(r).gguf.name} as model '{r.name}' on http://{server.host}:{server.port}/v1 "
           f"(context {r.serve.n_ctx}, GPU layers {r.serve.n_gpu_layers}); Ctrl-C stops it", flush=True)
     uvicorn.run(app, host=server.host, port=server.port, log_level="info")  # handles SIGINT/SIGTERM gracefully
     return 0

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from .. import manifest as mf
 from ..config import Recipe, resolve_path
 from ..errors import MissingInputError, UserError
+from ..layout import layout
 from .formats import to_messages
 from .packing import best_fit_decreasing, iter_packed
 from .sources import SKIP_HINT, BadSample, mixture, mixture_plan
@@ -45,10 +46,6 @@ WRITE_TOKENS = 1 << 22  # tokens buffered before an Arrow record batch is writte
 
 class StaleDataError(UserError, RuntimeError):
     pass
-
-
-def data_dir(r: Recipe) -> Path:
-    return r.out / "data"
 
 
 _TOKENIZERS: dict = {}
@@ -408,7 +405,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
     if any(s.format != "text" for s in r.data.sources):
         require_chat_template(tok, r.model.tokenizer)
     fp = fingerprint(r, tok)
-    out = data_dir(r)
+    out = layout(r).data
     old = mf.read(out / "manifest.json")
     if not rebuild and old and old.get("fingerprint") == fp["fingerprint"] and (out / "train").exists():
         print(f"prepare: cache hit ({out}, fingerprint {fp['fingerprint']}); nothing to do")
@@ -487,7 +484,7 @@ def _nothing_usable(r: Recipe, info: dict) -> str:
 
 def require_prepared(r: Recipe) -> dict:
     """The manifest of a cache that matches the recipe, or a clear error."""
-    out = data_dir(r)
+    out = layout(r).data
     m = mf.read(out / "manifest.json")
     if not m or not (out / "train").exists():
         raise StaleDataError(f"no prepared data in {out}. Run `make data RECIPE={r.name}` "

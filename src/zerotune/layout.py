@@ -1,0 +1,102 @@
+"""Where a run's files live: every path a stage reads or writes, stated once, in the order the stages run.
+
+    <output_dir>/                     recipe `output_dir` (default runs/<recipe>)
+      data/          prepare          train/ eval/ (Arrow), manifest.json (fingerprint, counts), lengths.png
+      base/          train            a random init materialised from model.init_config (pretrained: model.name_or_path)
+      train/         train            metrics.jsonl, samples.jsonl, curves.png, manifest.json, recipe.resolved.yaml;
+                                      handoff between its processes: run.json, stopped.json, error*.json;
+                                      between sbatch attempts: stopped_before_training.json
+      checkpoints/   train            checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json)
+      model.tmp/     train            the consolidated save, verified before it becomes model/
+      model/         train            the published HF model (PEFT: base + adapter, merged)
+      adapter/       train (PEFT)     the adapter alone
+      gguf/          quantize         <recipe>-<type>.gguf, manifest.json
+      eval/          eval             eval.json, eval.png, answers.json, lm-eval task files
+      check/         check            check.json
+      plan/          plan             plan.json, memory.png
+    slurm/logs/<job>-<id>.out         every sbatch's log (set in each script's #SBATCH --output)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Recipe, resolve_path
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    out: Path
+    base: Path | None = None  # these two depend on the recipe (see layout()); the rest only on `out`
+    gguf: Path | None = None
+
+    @property
+    def data(self) -> Path:
+        return self.out / "data"
+
+    @property
+    def train(self) -> Path:
+        return self.out / "train"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / "checkpoints"
+
+    @property
+    def model_staging(self) -> Path:
+        return self.out / "model.tmp"
+
+    @property
+    def model(self) -> Path:
+        return self.out / "model"
+
+    @property
+    def adapter(self) -> Path:
+        return self.out / "adapter"
+
+    @property
+    def gguf_dir(self) -> Path:
+        return self.gguf.parent
+
+    @property
+    def eval(self) -> Path:
+        return self.out / "eval"
+
+    @property
+    def check(self) -> Path:
+        return self.out / "check"
+
+    @property
+    def plan(self) -> Path:
+        return self.out / "plan"
+
+    # train/: what one run's processes write for each other and for the stages after it
+    @property
+    def metrics(self) -> Path:
+        return self.train / "metrics.jsonl"
+
+    @property
+    def samples(self) -> Path:
+        return self.train / "samples.jsonl"
+
+    @property
+    def run_json(self) -> Path:  # workers -> finalize: step, stop reason, timings
+        return self.train / "run.json"
+
+    @property
+    def stopped(self) -> Path:  # workers -> launcher / sbatch: stopped early at this step, for this reason
+        return self.train / "stopped.json"
+
+    @property
+    def no_progress(self) -> Path:  # sbatch attempt -> the next attempt: stopped before training a step
+        return self.train / "stopped_before_training.json"
+
+
+def layout(r: Recipe) -> RunLayout:
+    if r.model.name_or_path:
+        p = resolve_path(r.model.name_or_path)
+        base = p if p.exists() else Path(r.model.name_or_path)  # not a local folder: a hub id
+    else:
+        base = r.out / "base"
+    return RunLayout(out=r.out, base=base, gguf=r.out / "gguf" / f"{r.name}-{r.quantize.type.lower()}.gguf")
