@@ -25,8 +25,9 @@ from . import ds_config, hardware, peft_utils, quiet
 from . import errors
 from . import manifest as mf
 from .config import Recipe, resolve_path
-from .data.prepare import data_dir, load_tokenizer, require_prepared
+from .data.prepare import load_tokenizer, require_prepared
 from .errors import UserError
+from .layout import layout
 from .verify import model_dtype, probe_inputs
 
 
@@ -314,7 +315,7 @@ def _train_and_save(r: Recipe):
     choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger)
     data_manifest = require_prepared(r)
     bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
-    train_ds = load_from_disk(str(data_dir(r) / "train"))
+    train_ds = load_from_disk(str(layout(r).data / "train"))
     steps = total_steps(len(train_ds), bp, r)
     args = training_arguments(r, bp, choice, gpu.capability is not None, steps)  # before the model: ZeRO-3 zero.Init
     if peft_utils.enabled(r):
