@@ -210,6 +210,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
                           "grad_accum": own_batch.grad_accum if own_batch else None, "batch_error": batch_error,
                           "global_batch_tokens": r.train.global_batch_tokens, "fits": own_fits and not batch_error},
         "memory": {"parts": own_mem["parts"], "peak_bytes": own_mem["peak"], "capacity_bytes": capacity,
+                   "views": own_mem["views"],  # allocated / reserved / nvidia-smi peaks (planner/calibration.py)
                    "model_states_how": own_mem["model_states_how"], "logits_how": own_mem["logits_how"],
                    "cpu_bytes_per_node": own_mem["cpu_bytes_per_node"]},
         "options": options, "recommended": rec, "suggestions": suggestions,
@@ -260,6 +261,9 @@ def format_plan(p: dict) -> str:
         lines.append(f"  {k:<36} {_gib(v)}")
     verdict = "fits" if m["peak_bytes"] <= m["capacity_bytes"] else "DOES NOT FIT"
     lines.append(f"  {'predicted peak':<36} {_gib(m['peak_bytes'])}  of {_gib(m['capacity_bytes'])}: {verdict}")
+    v = m["views"]
+    lines.append(f"  {'as tools would report it':<36} max_memory_allocated {_gib(v['allocated']).strip()}, "
+                 f"max_memory_reserved {_gib(v['reserved']).strip()}, nvidia-smi {_gib(v['nvidia_smi']).strip()}")
     lines.append(f"  model states: {m['model_states_how']}")
     if rc["batch_error"]:
         lines.append(f"  batch: {rc['batch_error']}")

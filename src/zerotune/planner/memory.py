@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import REPO_ROOT, Recipe, resolve_path
+from . import calibration
 
 GiB = 1024 ** 3
-CUDA_CONTEXT_BYTES = int(0.5 * GiB)  # CUDA context + cuBLAS/NCCL workspaces, per process
-ALLOCATOR_MARGIN = 0.05  # fragmentation of PyTorch's caching allocator, as a fraction of everything else
 LLAMA31_8B_CONFIG = REPO_ROOT / "configs" / "models" / "llama31_8b.json"
 
 
@@ -299,10 +298,10 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     parts["attention mask"] = persistent_mask_bytes(micro, seq, e, attention, packing)
     logits, logits_how = logits_loss_bytes(m, micro * seq, e, liger)
     parts["logits + loss"] = logits
-    if gpu_is_cuda:
-        parts["CUDA context"] = CUDA_CONTEXT_BYTES
-    subtotal = sum(parts.values())
-    parts["allocator margin"] = int(ALLOCATOR_MARGIN * subtotal)
-    return {"parts": parts, "peak": sum(parts.values()), "cpu_bytes_per_node": cpu_bytes,
+    # Fragmentation, CUDA context, NCCL and the allocated/reserved/nvidia-smi views: calibration.py
+    allocated = sum(parts.values())
+    parts.update(extra := calibration.overheads(allocated, world=world, gpu_is_cuda=gpu_is_cuda))
+    return {"parts": parts, "peak": sum(parts.values()), "views": calibration.views(allocated, extra, gpu_is_cuda),
+            "cpu_bytes_per_node": cpu_bytes,
             "model_states_how": how, "logits_how": logits_how, "activation_detail": act,
             "dtype_bytes": e}
