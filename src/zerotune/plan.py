@@ -18,6 +18,7 @@ from .config import Recipe
 from .errors import UserError
 from .layout import layout
 from .quant_types import QUANT_TYPES
+from .planner.finalize import finalize_host_bytes
 from .planner.memory import GiB, ModelConfigError, memory_breakdown, model_shape
 
 
@@ -199,6 +200,11 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
             warnings.append(f"CPU RAM: DeepSpeed estimates {cpu_need / 1e9:.0f} GB per node for offloaded states, "
                             f"plan.cpu_ram_gb is {r.plan.cpu_ram_gb:g}.")
     disk = _disk(r, shape, choice, _peft(r, shape))
+    fin = finalize_host_bytes(shape, choice.precision, _peft(r, shape))
+    if fin["peak_bytes"] > r.plan.cpu_ram_gb * 1e9:
+        warnings.append(f"CPU RAM: finalize (verify{' + merge' if r.peft.method != 'none' else ''} after training) "
+                        f"needs {fin['peak_bytes'] / 1e9:.1f} GB on the first node, plan.cpu_ram_gb is "
+                        f"{r.plan.cpu_ram_gb:g}; request more memory (sbatch --mem) or run finalize on a larger host.")
     return {
         "recipe": r.name, "model": {"config": shape.config_path, **{k: v for k, v in dataclasses.asdict(shape).items()
                                                                    if k != "config_path"}},
@@ -216,6 +222,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
         "options": options, "recommended": rec, "suggestions": suggestions,
         "time": time, "data": data, "inference": _inference(r, shape), "warnings": warnings,
         "disk": disk, "preemption": _preemption(r, time, disk),
+        "finalize": {**fin, "cpu_ram_bytes": int(r.plan.cpu_ram_gb * 1e9)},
     }
 
 
@@ -290,6 +297,11 @@ def format_plan(p: dict) -> str:
     dk = p["disk"]
     lines.append(f"\ndisk: {_gib(dk['checkpoint_bytes']).strip()} per checkpoint x {dk['checkpoints_at_once']} at once "
                  f"+ 2 x {_gib(dk['model_bytes']).strip()} model = {_gib(dk['peak_bytes']).strip()} under output_dir")
+    fin = p["finalize"]
+    lines.append(f"\nfinalize (after training, CPU): peak host RAM {fin['peak_bytes'] / 1e9:.1f} GB of "
+                 f"{fin['cpu_ram_bytes'] / 1e9:g} GB (plan.cpu_ram_gb): "
+                 f"{'fits' if fin['peak_bytes'] <= fin['cpu_ram_bytes'] else 'DOES NOT FIT'} ("
+                 + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in fin["parts"].items()) + " GB)")
     pe = p["preemption"]
     lines.append(f"\npreemption (slurm/finetune.sbatch): a save takes ~{pe['save_s']:,.0f} s at an assumed "
                  f"{SAVE_BYTES_PER_S / 1e9:g} GB/s; recommended --signal=B:USR1@{pe['signal_lead_s']} (one save + margin)")
