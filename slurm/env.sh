@@ -4,7 +4,9 @@
 
 # --- your site's modules / conda (e.g. Taiwania 2) ----------------------------------------------
 # module purge
-# module load compiler/gnu/10.2.0 cuda/12.6        # CUDA 12.6: the last torch builds with sm_70 (V100)
+# module load compiler/gnu/10.2.0 cuda/12.6        # nvcc for check_t4.sbatch's llama.cpp CUDA build
+# torch: CUDA 12.x wheels carry sm_70 (V100), CUDA 13 ones do not (pytorch#157517); `make setup TORCH=cu126`
+# checks that the pinned torch has a wheel at that index and that its triton pin matches requirements.lock.
 # source ~/miniconda3/etc/profile.d/conda.sh && conda activate zerotune   # if not using .venv
 # -----------------------------------------------------------------------------------------------
 

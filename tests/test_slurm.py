@@ -12,7 +12,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "slurm"
 SBATCH = sorted(SLURM.glob("*.sbatch"))
-SCRIPTS = SBATCH + [SLURM / "env.sh", SLURM / "signal_workers.sh", REPO / "scripts" / "slurm_local_cluster.sh"]
+SCRIPTS = SBATCH + [SLURM / "env.sh", SLURM / "signal_workers.sh", REPO / "scripts" / "slurm_local_cluster.sh",
+                    REPO / "scripts" / "llama_cpp.env", REPO / "scripts" / "setup.sh"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -91,3 +92,46 @@ def test_plan_states_the_cost_of_preemption():
     text = format_plan(p)
     assert f"recommended --signal=B:USR1@{pe['signal_lead_s']}" in text
     assert "no trained step lost" in text and "mid-step checkpoints are not implemented" in text
+
+
+def _bash(script: str, env: dict | None = None) -> str:
+    return subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, check=True,
+                          env=env).stdout.strip()
+
+
+def test_check_t4_builds_with_setups_portable_flags_outside_the_shared_venv():
+    flags = dict(line.split("=", 1) for line in _bash(
+        "source scripts/llama_cpp.env; echo CPU=$LLAMA_CPU_CMAKE_ARGS; echo T4=$LLAMA_T4_CMAKE_ARGS").splitlines())
+    assert "-DGGML_NATIVE=OFF" in flags["CPU"]  # the SIGILL fix (scripts/llama_cpp.env)
+    assert flags["T4"].startswith(flags["CPU"]) and "-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=75" in flags["T4"]
+    text = (SLURM / "check_t4.sbatch").read_text()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "source scripts/llama_cpp.env" in text and '"$LLAMA_T4_CMAKE_ARGS"' in code
+    for banned in ("GGML_", "--force-reinstall", "LLAMA_CMAKE_ARGS="):  # one source of flags; .venv untouched
+        assert banned not in code, banned
+    assert not re.search(r"^\s*make ", code, flags=re.M), "check_t4 must not (re)build the shared .venv"
+    assert re.search(r'pip install -q --no-deps --target "\$tmp"', code)
+    assert 'PYTHONPATH="$site' in code
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert "source scripts/llama_cpp.env" in setup and 'LLAMA_CMAKE_ARGS="${LLAMA_CMAKE_ARGS:-$LLAMA_CPU_CMAKE_ARGS}"' in setup
+    assert re.findall(r"^#SBATCH\s+--mem=(\d+)G", text, flags=re.M) == ["110"]
+
+
+def test_check_t4_fails_early_with_one_line(tmp_path):
+    env = {**os.environ, "ZEROTUNE_CACHE": str(tmp_path), "SLURM_SUBMIT_DIR": str(REPO)}
+    r = subprocess.run(["bash", str(SLURM / "check_t4.sbatch"), "tiny"], cwd=REPO, env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "run 'make setup' first" in r.stderr
+    # with setup's sdist in place and no CUDA toolkit on PATH: the nvcc message, before any build
+    sdist = Path.home() / ".cache" / "zerotune" / "src" / "llama_cpp_python-0.3.36.tar.gz"
+    if os.environ.get("ZEROTUNE_CACHE"):
+        sdist = Path(os.environ["ZEROTUNE_CACHE"]) / "src" / sdist.name
+    if not sdist.exists():
+        pytest.skip(f"{sdist} missing (make setup downloads it)")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / sdist.name).symlink_to(sdist)
+    path = ":".join(d for d in os.environ["PATH"].split(":") if not (Path(d) / "nvcc").exists())
+    r = subprocess.run(["bash", str(SLURM / "check_t4.sbatch"), "tiny"], cwd=REPO, env={**env, "PATH": path},
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "nvcc not on PATH" in r.stderr
+    assert not (tmp_path / "site").exists() and not (tmp_path / "wheels").exists()

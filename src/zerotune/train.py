@@ -332,6 +332,7 @@ def _train_and_save(r: Recipe):
     if rank == 0:
         zero = (args.hf_deepspeed_config.config.get("zero_optimization", {}) if args.deepspeed else {})
         print(f"train: {gpu.name}, world size {world}, {choice.describe()}; " + "; ".join(choice.reasons), flush=True)
+        if gpu.capability is not None: print(f"train: torch {torch.__version__} (CUDA {torch.version.cuda}) kernels for {torch.cuda.get_arch_list()}", flush=True)  # noqa: E501,E701 - a wheel without this GPU's sm fails at its first kernel
         print(f"train: {bp.describe()}; {steps} optimizer steps "
               f"({len(train_ds)} sequences, {bp.sequences_per_step} per step)", flush=True)
         if args.deepspeed:
