@@ -89,3 +89,145 @@ def test_zero_gradient_fraction_is_logged_once_per_step(tmp_path, capsys):
     row = json.loads((tmp_path / "m.jsonl").read_text())
     assert "grad_zero_frac" in row
     assert capsys.readouterr().out.count("zero grads") == 1
+
+
+# ------------------------------------------------------------------------------ item 4: Liger fused CE below sm80
+
+def _shape8b():
+    from zerotune.planner.memory import model_shape
+
+    return model_shape(load_recipe("llama8b_zero3"))
+
+
+@pytest.mark.parametrize("cap, expected", [((7, 0), 128_256 * 4096 * 6), ((7, 5), 128_256 * 4096 * 6),
+                                           ((8, 0), 0), (None, 0)])
+def test_liger_fallback_transient_follows_capability(cap, expected):
+    from zerotune.hardware import gpu_for_capability
+    from zerotune.planner.memory import liger_fallback_bytes
+
+    g = gpu_for_capability(cap)
+    assert liger_fallback_bytes(_shape8b(), 2, True, g.capability, lm_head_trainable=True) == expected
+    # a frozen lm_head (LoRA, QLoRA) gets no gradient from Liger at all; fp32 never takes the 16-bit path
+    assert liger_fallback_bytes(_shape8b(), 2, True, g.capability, lm_head_trainable=False) == 0
+    assert liger_fallback_bytes(_shape8b(), 4, True, g.capability, lm_head_trainable=True) == 0
+
+
+@pytest.mark.parametrize("seq", [2048, 16384])
+def test_planner_counts_the_fallback_beyond_the_backward_recompute(seq):
+    """The transient lives at the end of forward, the recompute in backward: only the excess adds up. 8B on
+    8 V100s: 2.94 GiB fallback vs a 3.38 GiB recompute at 16K (covered), 0.42 GiB at 2K (2.5 GiB more)."""
+    from zerotune.planner.memory import memory_breakdown
+
+    r = load_recipe("llama8b_zero3")
+    kw = dict(seq=seq, micro=1, precision="fp16", attention="sdpa", liger=True, checkpointing=True, packing=True,
+              zero=build(r)["zero_optimization"], gpus_per_node=8, nodes=1)
+    v100, a100 = memory_breakdown(_shape8b(), capability=(7, 0), **kw), memory_breakdown(_shape8b(), capability=(8, 0), **kw)
+    extra = v100["parts"]["logits + loss"] - a100["parts"]["logits + loss"]
+    assert extra == max(0, 128_256 * 4096 * 6 - v100["parts"]["one-layer recompute"])
+    assert (extra > 2 * 2**30) == (seq == 2048)
+    assert "sm<80 fallback transient 2.94 GiB" in v100["logits_how"]
+
+
+def test_choice_keeps_liger_below_sm80_and_says_what_it_costs():
+    from zerotune.hardware import choose, gpu_for_capability
+
+    v100 = choose(gpu_for_capability((7, 0)), fa2_installed=False)
+    assert v100.liger and v100.precision == "fp16"
+    assert any("below sm80" in w and "fp16" in w for w in v100.reasons)
+    assert not any("below sm80" in w for w in choose(gpu_for_capability((8, 0)), fa2_installed=False).reasons)
+
+
+def test_nonfinite_lm_head_gradient_is_counted_and_stops_the_run(tmp_path):
+    from zerotune.metrics import FP16OverflowError
+
+    model = _tiny_llama(torch.float32)
+    cb = StepMetrics(tmp_path / "m.jsonl", tokens_per_step=64, label_fraction=1.0, flops_tok=1.0,
+                     peak_tflops=None, world_size=1, max_overflows_at_min_scale=2)
+    cb.watch_grads(model, check_lm_head=True)
+    args, x = SimpleNamespace(fp16=True, device=torch.device("cpu")), torch.randint(0, 128, (2, 32))
+    model(input_ids=x, labels=x).loss.backward()
+    cb.on_step_end(args, SimpleNamespace(global_step=1), None)
+    assert cb.rows[-1]["lm_head_grad_nonfinite"] == 0
+    w = model.get_output_embeddings().weight
+    (w * float("inf")).sum().backward()  # what an overflowed fp16 accumulation hands to autograd
+    cb.on_step_end(args, SimpleNamespace(global_step=2), None)
+    assert cb.rows[-1]["lm_head_grad_nonfinite"] == 1
+    (w * float("inf")).sum().backward()
+    with pytest.raises(FP16OverflowError, match="Liger's fused cross entropy sums it in fp16 before loss scaling"):
+        cb.on_step_end(args, SimpleNamespace(global_step=3), None)
+
+
+LIGER_FP16 = """
+import json, torch
+from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+torch.manual_seed(0)
+V, H, BT = 256, 64, 512
+out = {}
+for scale in (1.0, 300.0):
+    x = (torch.randn(BT, H).abs() * scale).half().requires_grad_()
+    w = torch.randn(V, H).half().requires_grad_()
+    y = torch.zeros(BT, dtype=torch.long)  # one target for every token: its lm_head row sums all BT terms
+    loss = liger_fused_linear_cross_entropy(x, w, y, reduction="sum")  # reduction "sum": as with num_items_in_batch
+    loss.backward()
+    out[str(scale)] = {"loss_finite": bool(torch.isfinite(loss).item()), "head_finite": bool(torch.isfinite(w.grad).all()),
+                       "input_finite": bool(torch.isfinite(x.grad).all())}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.integration  # a subprocess under Triton's interpreter: about 20 s
+def test_liger_fp16_lm_head_gradient_overflows_silently():
+    """The real kernel (Triton's interpreter on CPU takes the same non-addmm path as sm<80): 512 tokens of
+    |x| ~ 300 with one target sum past fp16's 65,504 in grad_weight while the loss and input gradient stay
+    finite, i.e. nothing but a check on lm_head's gradient sees it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", LIGER_FP16], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["1.0"] == {"loss_finite": True, "head_finite": True, "input_finite": True}
+    assert out["300.0"] == {"loss_finite": True, "head_finite": False, "input_finite": True}
+
+
+# ------------------------------------------------------------------------------ item 7: QLoRA's fp32 upcasts
+
+def test_qlora_counts_fp32_embeddings_and_residual_stream():
+    """peft 0.21.2 prepare_model_for_kbit_training casts every non-4-bit 16-bit parameter to fp32
+    (peft/utils/other.py:204-209): embeddings, lm_head, norms. The residual stream is then fp32 too."""
+    from zerotune.plan import compute_plan
+    from zerotune.planner.memory import activation_bytes, model_shape
+
+    r = load_recipe("llama8b_qlora_t4")
+    m = model_shape(r)
+    p = compute_plan(r)
+    states = p["memory"]["parts"]["model states (DeepSpeed estimator)"]
+    assert states > 4 * 2 * 128_256 * 4096  # both 128K x 4096 matrices at 4 B (3.9 GiB of the 7.9)
+    fp32 = activation_bytes(m, 1, 2048, 2, "sdpa", True, True, True, residual_bytes=4)
+    fp16 = activation_bytes(m, 1, 2048, 2, "sdpa", True, True, True)
+    assert fp32["layer_inputs"] == 2 * fp16["layer_inputs"] == 32 * 2048 * 4096 * 4
+    assert p["memory"]["parts"]["checkpointed layer inputs"] >= fp32["layer_inputs"]
+    # Still fits a T4 (about 10.9 GiB predicted of 15) at the recipe's 2,048 x 1; 4,096 x 2 does not.
+    assert p["recipe_config"]["fits"]
+    assert not next(o for o in p["options"] if (o["seq_len"], o["micro_batch_size"]) == (4096, 2))["fits"]
+
+
+def test_prepare_model_for_kbit_training_makes_the_residual_stream_fp32(tmp_path):
+    """The premise of the planner's QLoRA activation term, on the real components: a 4-bit (bitsandbytes, CPU)
+    tiny Llama loaded in 16-bit, after peft's prepare_model_for_kbit_training, feeds fp32 into every layer."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    _tiny_llama(torch.float32).save_pretrained(tmp_path / "m")
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", quantization_config=q, dtype=torch.bfloat16)
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    assert model.get_input_embeddings().weight.dtype == model.get_output_embeddings().weight.dtype == torch.float32
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0].dtype))
+    model(input_ids=torch.randint(0, 128, (1, 16)))
+    assert seen == [torch.float32] * len(model.model.layers)

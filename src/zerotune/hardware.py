@@ -122,4 +122,11 @@ def choose(gpu: GPU, precision: str = "auto", attention: str = "auto", liger: st
         if use_liger and not on_gpu:
             raise CapabilityError("liger on requested on CPU: Liger's Triton kernels need a CUDA GPU "
                                   "(on CPU only the Triton interpreter runs them, for tests). Use train.liger=off (or auto).")
+    if use_liger and precision == "fp16" and gpu.capability is not None and gpu.capability < (8, 0):
+        # Kept on: at 16K tokens x 128K vocab the unfused loss needs 12 B x vocab x tokens (23.5 GiB) against
+        # ~4.2 GiB for the fused one even on its sm<80 fallback path (liger_kernel 0.8.5
+        # ops/fused_linear_cross_entropy.py:326-371), whose only other cost is an fp16 lm_head gradient.
+        why.append(f"liger below sm80 ({gpu.name}): fused CE accumulates a trainable lm_head's gradient in fp16 via "
+                   "a vocab x hidden fp16 + fp32 temporary per chunk (counted by the planner); inf/NaN in it is "
+                   "counted per step and stops the run if it persists")
     return Choice(precision, attention, use_liger, tuple(why))

@@ -105,6 +105,8 @@ class StepMetrics(TrainerCallback):
         self.counting = False
         self.watching_grads = False
         self._grad_zero, self._grad_total = None, 0  # zero gradient elements / all, this step, this rank
+        self.checking_head, self._head_bad = False, None  # micro-batches with a non-finite lm_head gradient
+        self.head_bad_total, self._head_bad_steps = 0, 0
         self.rows: list[dict] = []
         self.progress: Progress | None = None
 
@@ -126,13 +128,18 @@ class StepMetrics(TrainerCallback):
         model.register_forward_pre_hook(hook, with_kwargs=True)
         self.counting = True
 
-    def watch_grads(self, model, n_params: int = 4) -> None:
+    def watch_grads(self, model, n_params: int = 4, check_lm_head: bool = False) -> None:
         """Fraction of gradient elements exactly 0 in the training dtype, per step, on a few weight matrices
         spread over the depth: fp16 gradients below 2^-24 (after loss scaling) flush to zero, and at a large
         GA each micro-batch's gradients are ~1/GA of the usual size. The tensor hook sees each micro-batch's
         gradient as autograd produced it (loss-scaled, model dtype), before ZeRO-3 reduces and accumulates it
         in fp32. Embeddings and lm_head are left out (rows of tokens absent from the batch are truly 0), and so
-        is LoRA A (its gradient is 0 while B is still at its zero init)."""
+        is LoRA A (its gradient is 0 while B is still at its zero init).
+
+        check_lm_head: count micro-batches whose lm_head gradient holds inf/NaN. Liger's fused CE builds that
+        gradient in forward, before loss scaling, in the 16-bit weight dtype (liger_kernel 0.8.5
+        ops/fused_linear_cross_entropy.py: `grad_weight = torch.zeros_like(weight)`, then `+=` per chunk):
+        an overflow there is not cured by lowering the loss scale, so it must be told apart."""
         skip = ("embed", "lm_head", "lora_A")
         cands = [p for name, p in model.named_parameters()
                  if p.requires_grad and len(getattr(p, "ds_shape", p.shape)) >= 2  # ZeRO-3: p.shape is (0,)
@@ -148,6 +155,15 @@ class StepMetrics(TrainerCallback):
             return g
 
         self._grad_zero, self._grad_total = None, 0
+        head = model.get_output_embeddings() if check_lm_head and hasattr(model, "get_output_embeddings") else None
+        if head is not None and head.weight.requires_grad:
+            def head_hook(g):
+                bad = (~torch.isfinite(g)).any().int()
+                self._head_bad = bad if self._head_bad is None else self._head_bad + bad
+                return g
+
+            head.weight.register_hook(head_hook)
+            self.checking_head = True
         for p in dict.fromkeys(picked):  # a short model may pick one parameter twice
             p.register_hook(hook)
         self.watching_grads = True
@@ -198,6 +214,22 @@ class StepMetrics(TrainerCallback):
                 zt = zt.to(args.device)
                 dist.all_reduce(zt, op=dist.ReduceOp.SUM)
             grad_zero = zt[0].item() / zt[1].item() if zt[1].item() > 0 else None
+        head_bad = None
+        if self.checking_head:
+            hb = torch.tensor(float(self._head_bad if self._head_bad is not None else 0))
+            self._head_bad = None
+            if dist.is_available() and dist.is_initialized():
+                hb = hb.to(args.device)
+                dist.all_reduce(hb, op=dist.ReduceOp.SUM)
+            head_bad = int(hb.item())
+            self.head_bad_total += head_bad
+            self._head_bad_steps = self._head_bad_steps + 1 if head_bad else 0
+            if self._head_bad_steps >= self.max_overflows:
+                raise FP16OverflowError(
+                    f"lm_head's gradient was inf/NaN in {self._head_bad_steps} steps in a row (step {state.global_step}): "
+                    "Liger's fused cross entropy sums it in fp16 before loss scaling, so DeepSpeed lowering the scale "
+                    "cannot fix it. Use train.liger=off with a shorter data.seq_len (`zerotune plan` shows what fits), "
+                    "or bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
         row = {"step": state.global_step, "step_time_s": round(dt, 4),
                "tokens_per_s": round(self.tokens_per_step / dt, 1) if dt > 0 else None,
                "tokens_per_s_per_rank": round(self.tokens_per_step / dt / self.world, 1) if dt > 0 else None,
@@ -206,6 +238,8 @@ class StepMetrics(TrainerCallback):
                "peak_mem_gib_max_rank": round(mem.item() / 2**30, 3)}
         if grad_zero is not None:
             row["grad_zero_frac"] = round(grad_zero, 6)
+        if head_bad is not None:
+            row["lm_head_grad_nonfinite"] = head_bad
         if self.peak and dt > 0:
             row["mfu"] = round(self.flops_tok * self.tokens_per_step / dt / (self.peak * 1e12 * self.world), 4)
         eng = self._engine()
@@ -249,6 +283,8 @@ class StepMetrics(TrainerCallback):
         parts.append(f"peak mem {row.get('peak_mem_gib_max_rank', 0):.2f} GiB")
         if "grad_zero_frac" in row:
             parts.append(f"zero grads {row['grad_zero_frac']:.2%}")
+        if row.get("lm_head_grad_nonfinite"):
+            parts.append(f"lm_head grad inf/NaN in {row['lm_head_grad_nonfinite']} micro-batches")
         if "loss_scale" in row:
             parts.append(f"loss scale {row['loss_scale']:g} (skipped {row['skipped_steps']})")
         line = "train: " + ", ".join(parts)

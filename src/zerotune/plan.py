@@ -19,7 +19,7 @@ from .errors import UserError
 from .layout import layout
 from .quant_types import QUANT_TYPES
 from .planner.finalize import finalize_host_bytes
-from .planner.memory import GiB, ModelConfigError, memory_breakdown, model_shape
+from .planner.memory import GiB, ModelConfigError, _attention_has_mask, memory_breakdown, model_shape
 
 
 class PlanError(UserError, RuntimeError):
@@ -52,7 +52,8 @@ def _memory(r, shape, choice, zero, seq, micro, gpus_per_node, nodes, g):
     return memory_breakdown(shape, seq=seq, micro=micro, precision=choice.precision, attention=choice.attention,
                             liger=choice.liger, checkpointing=r.train.gradient_checkpointing,
                             packing=r.data.packing, zero=zero, gpus_per_node=gpus_per_node, nodes=nodes,
-                            gpu_is_cuda=g.capability is not None, peft=_peft(r, shape))
+                            gpu_is_cuda=g.capability is not None, peft=_peft(r, shape), capability=g.capability,
+                            lm_head_trainable=r.peft.method == "none" or "lm_head" in r.peft.modules_to_save)
 
 
 def _peft(r: Recipe, shape):
@@ -102,19 +103,43 @@ def _preemption(r: Recipe, time: dict, disk: dict) -> dict:
             "signal_lead_s": 60 * math.ceil(seconds_needed(0, save) / 60)}
 
 
-def _step_time(r, shape, g, gpu_name, seq, world) -> dict:
-    """FLOPs per optimizer step and the time at the assumed MFU (counting all executed FLOPs)."""
+def attention_kind(attention: str, packing: bool, micro: int) -> str:
+    """What the attention kernel computes per row. "varlen": flash_attention_2 with sequence boundaries
+    (block-diagonal causal: each document attends to itself only). "causal": SDPA/eager with no mask: SDPA
+    takes its is_causal path and skips the upper triangle. "dense": SDPA/eager given a (micro, 1, S, S)
+    mask (packed rows, padded micro-batches): no is_causal, so the memory-efficient kernel visits every
+    key tile of all S x S, twice the causal work (transformers 5.23 integrations/sdpa_attention.py:159
+    `is_causal = q_length > 1 and attention_mask is None and is_causal`; torch 2.13 nn/functional.py:6471,
+    SDPA refuses attn_mask together with is_causal)."""
+    if attention == "flash_attention_2":
+        return "varlen"
+    return "dense" if _attention_has_mask(attention, packing, micro) else "causal"
+
+
+def _doc_lengths(r: Recipe) -> dict | None:
+    man = mf.read(layout(r).data / "manifest.json")
+    return man.get("doc_length") if man else None
+
+
+def _step_time(r, shape, g, gpu_name, seq, world, micro: int, attention: str, docs: dict | None = None) -> dict:
+    """FLOPs per optimizer step and the time at the assumed MFU (counting all executed FLOPs).
+
+    Attention per token per layer, forward: 2 x S x q_dim for causal (QK^T and PV over half the matrix),
+    4 x S x q_dim with a dense mask (the whole matrix), 2 x D x q_dim for varlen over documents of
+    typical length D (the prepared data's median; unknown: D = S). x3 for forward + backward, x4 with
+    recompute. Unpacked rows hold one document each, so S is the document length there too."""
     T, N, L = r.train.global_batch_tokens, shape.n_params, shape.layers
     ckpt = r.train.gradient_checkpointing
     dense = 6 * N * T
     recompute = 2 * N * T if ckpt else 0
-    # Causal attention, per token per layer: 2*S*q_dim forward (QK^T and PV, half the matrix),
-    # x3 for forward + backward, +1 forward again with recompute.
-    attention = (8 if ckpt else 6) * seq * shape.q_dim * L * T
+    kind = attention_kind(attention, r.data.packing, micro)
+    doc = min(seq, docs["p50"]) if docs and docs.get("p50") else seq
+    span = {"varlen": 2 * doc, "causal": 2 * (seq if r.data.packing else doc), "dense": 4 * (seq if r.data.packing else doc)}[kind]
+    attention = (4 if ckpt else 3) * span * shape.q_dim * L * T
     total = dense + recompute + attention
     mfu = r.plan.mfu or hardware.GPUS[gpu_name].default_mfu
     out = {"flops_per_step": total, "flops_dense": dense, "flops_recompute": recompute, "flops_attention": attention,
-           "mfu": mfu, "seconds_per_step": None}
+           "attention_kind": kind, "mfu": mfu, "seconds_per_step": None}
     if mfu and g.peak_tflops:
         out["seconds_per_step"] = total / (world * g.peak_tflops * 1e12 * mfu)
     return out
@@ -155,6 +180,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     ds = ds_config.build(r)
     zero = ds.get("zero_optimization") if ds else None
     capacity = _capacity_bytes(r, g, gpn)
+    docs = _doc_lengths(r)
 
     def fits(seq, micro):
         mem = _memory(r, shape, choice, zero, seq, micro, gpn, nn, g)
@@ -176,16 +202,23 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
             except batchmod.BatchError:
                 continue  # must reach global_batch_tokens exactly
             mem, ok = fits(seq, micro)
+            t = _step_time(r, shape, g, gpu_name, seq, world, micro, choice.attention, docs)
             options.append({"seq_len": seq, "micro_batch_size": micro, "grad_accum": bp.grad_accum,
-                            "peak_bytes": mem["peak"], "fits": ok,
+                            "peak_bytes": mem["peak"], "fits": ok, "seconds_per_step": t["seconds_per_step"],
+                            "flops_per_step": t["flops_per_step"], "attention_kind": t["attention_kind"],
                             "recipe": seq == r.data.seq_len and micro == r.train.micro_batch_size})
     fitting = [o for o in options if o["fits"]]
-    own = next((o for o in fitting if o["recipe"]), None)
-    # The recipe's own choice if it fits; else the longest sequence that fits, largest micro-batch.
-    rec = own or (max(fitting, key=lambda o: (o["seq_len"], o["micro_batch_size"])) if fitting else None)
+    # Fastest per useful token (same global batch, so fastest per step) among what fits and truncates at
+    # most 1% of documents (seq_len >= the prepared data's p99; before `prepare`, the recipe's seq_len).
+    # Ties (varlen attention costs the same at any seq_len): the recipe's own, then larger micro-batch
+    # (better GPU use), then longer rows. Nothing long enough fits: the longest that does.
+    floor = min(docs["p99"], r.data.seq_len) if docs and docs.get("p99") else r.data.seq_len
+    cands = [o for o in fitting if o["seq_len"] >= floor]
+    rec = (min(cands, key=lambda o: (o["flops_per_step"], not o["recipe"], -o["micro_batch_size"], -o["seq_len"]))
+           if cands else max(fitting, key=lambda o: (o["seq_len"], o["micro_batch_size"])) if fitting else None)
 
     suggestions = [] if rec else _suggestions(r, shape, choice, zero, gpn, nn, g, capacity)
-    time = _step_time(r, shape, g, gpu_name, rec["seq_len"] if rec else r.data.seq_len, world)
+    time = _step_time(r, shape, g, gpu_name, r.data.seq_len, world, r.train.micro_batch_size, choice.attention, docs)
     data = _data_steps(r)
     warnings = []
     if data["total_steps"] is not None and data["total_steps"] < MIN_STEPS:
@@ -275,17 +308,21 @@ def format_plan(p: dict) -> str:
     if rc["batch_error"]:
         lines.append(f"  batch: {rc['batch_error']}")
     lines.append("\nchoices reaching exactly {:,} tokens per optimizer step:".format(rc["global_batch_tokens"]))
-    lines.append(f"  {'seq_len':>8} {'micro':>5} {'GA':>6} {'peak':>10}  fits")
+    lines.append(f"  {'seq_len':>8} {'micro':>5} {'GA':>6} {'peak':>10}  fits  {'h/step':>6}")
     for o in p["options"]:
         mark = " <- recommended" if o == p["recommended"] else ""
         mark += " (recipe)" if o["recipe"] else ""
+        hours = f"{o['seconds_per_step'] / 3600:6.2f}" if o.get("seconds_per_step") else f"{'-':>6}"
         lines.append(f"  {o['seq_len']:>8,} {o['micro_batch_size']:>5} {o['grad_accum']:>6} {_gib(o['peak_bytes'])}"
-                     f"  {'yes' if o['fits'] else 'no '}{mark}")
+                     f"  {'yes' if o['fits'] else 'no '}  {hours}{mark}")
+    if p["recommended"]:
+        lines.append("  recommended: the least time per token among those that fit with seq_len >= the data's p99 "
+                     "document length (the recipe's seq_len before `prepare`)")
     if not p["recommended"]:
         lines.append("  nothing fits. Try: " + "; ".join(p["suggestions"]))
     t = p["time"]
     lines.append(f"\ntime: {t['flops_per_step']:.3g} FLOPs per optimizer step (6NT {t['flops_dense']:.3g}, "
-                 f"recompute {t['flops_recompute']:.3g}, attention {t['flops_attention']:.3g})")
+                 f"recompute {t['flops_recompute']:.3g}, attention {t['flops_attention']:.3g} {t['attention_kind']})")
     if t["seconds_per_step"]:
         lines.append(f"  at {t['mfu']:.0%} MFU: {t['seconds_per_step']:,.0f} s = {t['seconds_per_step'] / 3600:.2f} h per step")
     d = p["data"]

@@ -101,16 +101,19 @@ def _attention_has_mask(attention: str, packing: bool, micro: int, padded: bool 
 
 def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, attention: str = "sdpa",
                      checkpointing: bool = True, packing: bool = False, liger: bool = False,
-                     padded: bool | None = None) -> dict:
+                     padded: bool | None = None, residual_bytes: int | None = None) -> dict:
     """Bytes of tensors saved for backward (deduplicated by storage), per rank, for one micro-batch.
 
     attention: "sdpa" = a fused kernel that keeps no S x S matrix (CUDA memory-efficient on V100/T4;
     on CPU, torch 2.13 picks its flash-attention CPU kernel, which saves the same tensors);
     "flash_attention_2" = the same without a mask; "eager" = materialised S^2 scores per head.
+    residual_bytes: dtype of the residual stream when it differs from the matmuls' (QLoRA: peft's
+    prepare_model_for_kbit_training leaves fp32 embeddings, so the stream between layers is fp32).
     Returns the parts and `saved_peak`, the most bytes alive at once (end of forward without
     checkpointing; with it, the larger of end of forward and the last layer's recompute).
     """
     e, b, S, h, I = dtype_bytes, micro, seq, m.hidden, m.intermediate
+    res = residual_bytes or e
     T = b * S  # tokens in the micro-batch
     a = m.heads
     mask = _attention_has_mask(attention, packing, micro, padded)
@@ -120,6 +123,10 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
     # tensor cast back to the model dtype, the output (saved by the next matmuls), 1/rms in fp32.
     # Liger's kernel saves only its input and 1/rms; its output is saved by the next matmuls.
     norm = (2 * e * T * h + 4 * T) if liger else (4 * T * h + 2 * e * T * h + 4 * T)
+    if res != e:
+        # fp32 stream under fp16 autocast: input, normalised tensor and output all fp32, plus the
+        # autocast's 16-bit copy that the next matmuls save.
+        norm = (2 * res * T * h + e * T * h + 4 * T) if liger else (4 * T * h + 2 * res * T * h + e * T * h + 4 * T)
 
     # Attention. RoPE saves only cos/sin (shared by all layers): q, k do not need grad w.r.t. cos.
     if attention == "eager":
@@ -143,7 +150,7 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
     rope = 2 * (b if packing else 1) * S * m.head_dim * e  # cos, sin: per sample when positions restart
     final_norm = norm
     loss = 0 if liger else 4 * T * m.vocab + 8 * b * (S + 1) + 4  # log-softmax output (fp32), labels
-    layer_inputs = m.layers * e * T * h
+    layer_inputs = m.layers * res * T * h
 
     if not checkpointing:
         fwd_end = ids + rope + m.layers * layer + final_norm + loss
@@ -153,7 +160,7 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
         fwd_end = ids + layer_inputs + final_norm + loss
         # Recomputing the last layer: every checkpointed input is still alive. In fp32 (or with
         # Liger) the norm saves its input tensor itself, i.e. the checkpointed input: count it once.
-        dedup = e * T * h if (e == 4 or liger) else 0
+        dedup = res * T * h if (res == 4 or liger) else 0
         recompute = layer + rope - dedup
         peak = max(fwd_end, ids + layer_inputs + recompute)
     return {"layer": layer, "per_layer": {"norms": 2 * norm, "attention": attn, "mlp": mlp},
@@ -169,7 +176,8 @@ def persistent_mask_bytes(micro: int, seq: int, dtype_bytes: int, attention: str
     return micro * seq * seq * (dtype_bytes if attention == "eager" else 1)  # eager: additive float; sdpa: bool
 
 
-def logits_loss_bytes(m: ModelShape, tokens: int, dtype_bytes: int, liger: bool) -> tuple[int, str]:
+def logits_loss_bytes(m: ModelShape, tokens: int, dtype_bytes: int, liger: bool,
+                      capability: tuple[int, int] | None = None, lm_head_trainable: bool = True) -> tuple[int, str]:
     """Peak of the output layer + cross entropy for one micro-batch."""
     if not liger:
         # HF: logits upcast to fp32, log-softmax output saved, then its gradient and the input
@@ -179,8 +187,23 @@ def logits_loss_bytes(m: ModelShape, tokens: int, dtype_bytes: int, liger: bool)
     # gradients of the input and of lm_head.weight are computed in forward and kept until backward.
     inc = math.ceil(m.vocab / m.hidden)
     chunk = min(tokens, 1 << max(0, math.ceil(math.log2(math.ceil(tokens / inc)))))
-    b = chunk * m.vocab * dtype_bytes + tokens * m.hidden * dtype_bytes + m.vocab * m.hidden * dtype_bytes + 4 * tokens
-    return b, f"Liger fused CE: {chunk}-token logits chunk + input grad + lm_head weight grad"
+    b = chunk * m.vocab * dtype_bytes + tokens * m.hidden * dtype_bytes + 4 * tokens
+    how = f"Liger fused CE: {chunk}-token logits chunk + input grad"
+    if lm_head_trainable:
+        b += m.vocab * m.hidden * dtype_bytes
+        how += " + lm_head weight grad"
+    return b, how
+
+
+def liger_fallback_bytes(m: ModelShape, dtype_bytes: int, liger: bool, capability: tuple[int, int] | None,
+                         lm_head_trainable: bool) -> int:
+    """Transient of Liger's fused CE below sm80, during forward. Its 16-bit addmm paths need capability 8
+    (liger_kernel 0.8.5 ops/fused_linear_cross_entropy.py:326-354, `get_device_capability(...)[0] >= 8`);
+    otherwise every chunk runs `grad_weight += torch.mm(grad_logits_chunk.t(), _input_chunk).float()`
+    (line 371): a vocab x hidden 16-bit product and its fp32 copy alive together (8B: 0.98 + 1.96 GiB)."""
+    if not (liger and lm_head_trainable and dtype_bytes == 2 and capability is not None and capability < (8, 0)):
+        return 0
+    return m.vocab * m.hidden * (dtype_bytes + 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,26 +300,40 @@ def deepspeed_buffers(m: ModelShape, zero: dict | None, world: int, dtype_bytes:
 
 def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, attention: str, liger: bool,
                      checkpointing: bool, packing: bool, zero: dict | None, gpus_per_node: int, nodes: int,
-                     gpu_is_cuda: bool = True, peft: tuple[str, int] | None = None) -> dict:
-    """Ordered {component: bytes} per GPU plus the peak (their sum) and notes."""
+                     gpu_is_cuda: bool = True, peft: tuple[str, int] | None = None,
+                     capability: tuple[int, int] | None = None, lm_head_trainable: bool | None = None) -> dict:
+    """Ordered {component: bytes} per GPU plus the peak (their sum) and notes. capability: the target GPU's
+    (Liger's fused CE takes a costlier path below sm80); lm_head_trainable: default full fine-tuning only."""
     e = 2 if precision in ("fp16", "bf16") else 4
     world = gpus_per_node * nodes
     if peft is not None:  # (method, trainable params)
         states, cpu_bytes, how = peft_model_states_bytes(m, peft[0], peft[1], zero, gpus_per_node, nodes)
     else:
         states, cpu_bytes, how = model_states_bytes(m, zero, gpus_per_node, nodes)
-    act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger)
+    # QLoRA: prepare_model_for_kbit_training casts every non-4-bit 16-bit parameter to fp32 (peft 0.21.2
+    # peft/utils/other.py:204-209), embeddings included, so the residual stream runs in fp32 under autocast.
+    res = 4 if peft is not None and peft[0] == "qlora" else e
+    act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger, residual_bytes=res)
     parts = {"model states (DeepSpeed estimator)": states}
     parts.update(deepspeed_buffers(m, zero, world, e))
     if checkpointing:
         parts["checkpointed layer inputs"] = act["layer_inputs"] + act["final_norm"] + act["small"]
         # One layer's recompute: its saved tensors plus the gradients flowing through it
         # (about one intermediate-size and two hidden-size tensors; not visible to saved-tensor hooks).
-        parts["one-layer recompute"] = act["recompute"] + e * micro * seq * (m.intermediate + 2 * m.hidden)
+        parts["one-layer recompute"] = act["recompute"] + micro * seq * (e * m.intermediate + res * 2 * m.hidden)
     else:
         parts["activations (all layers)"] = act["forward_end"] - act["loss_saved"]
     parts["attention mask"] = persistent_mask_bytes(micro, seq, e, attention, packing)
-    logits, logits_how = logits_loss_bytes(m, micro * seq, e, liger)
+    head_trainable = peft is None if lm_head_trainable is None else lm_head_trainable
+    logits, logits_how = logits_loss_bytes(m, micro * seq, e, liger, capability, head_trainable)
+    fallback = liger_fallback_bytes(m, e, liger, capability, head_trainable)
+    if fallback:
+        # It lives at the end of forward, the backward recompute only in backward: the sum above already
+        # holds the recompute's bytes, so only the excess is added.
+        recompute = parts.get("one-layer recompute", 0)
+        logits += max(0, fallback - recompute)
+        logits_how += (f" + sm<80 fallback transient {fallback / GiB:.2f} GiB (forward only; counted beyond the "
+                       f"{recompute / GiB:.2f} GiB backward recompute it cannot coexist with)")
     parts["logits + loss"] = logits
     # Fragmentation, CUDA context, NCCL and the allocated/reserved/nvidia-smi views: calibration.py
     allocated = sum(parts.values())
