@@ -29,9 +29,10 @@ def within_goal(predicted: float, measured: float) -> bool:
 # Peak reserved / peak allocated with sharded parameters (the caching allocator's reserve).
 RESERVE_RATIOS = [
     # (source, GPU, setup, reserved GB, allocated GB, what was read)
-    ("deepspeedai/DeepSpeed#522", "?", "ZeRO-2 offload, grad ckpt", 6.39, 5.09, "see_memory_usage CA / Max_MA"),
-    ("deepspeedai/DeepSpeed#522", "?", "ZeRO-2, grad ckpt", 6.68, 5.31, "see_memory_usage CA / Max_MA"),
-    ("NiuTrans/Vision-LLM-Alignment#9", "?", "ZeRO-3, Llama-3.2-Vision", 15.42, 12.26, "see_memory_usage CA / Max_MA"),
+    ("deepspeedai/DeepSpeed#522", "?", "ZeRO-2, an earlier run in the thread", 6.39, 5.09, "see_memory_usage CA / Max_MA"),
+    ("deepspeedai/DeepSpeed#522", "?", "ZeRO-2 cpu_offload, grad ckpt", 6.68, 5.31, "see_memory_usage CA / Max_MA"),
+    ("NiuTrans/Vision-LLM-Alignment#9", "?", "ZeRO-3, Llama-3.2-Vision, after ZeRO init", 15.42, 12.26,
+     "see_memory_usage CA / Max_MA"),
     ("meta-llama/llama-cookbook PR #41", "4xA100-40GB", "FSDP LoRA Llama-2-7B", 32.67, 25.86, "peak reserved / active"),
     ("meta-llama/llama-cookbook PR #41", "4xA100-40GB", "FSDP LoRA Llama-2-7B, limit_all_gathers", 27.36, 20.20,
      "peak reserved / active"),
