@@ -206,12 +206,15 @@ def paired(workers: dict, cmd: str, n: int) -> list[dict]:
 
 
 def prompt_ids(n: int) -> list[int]:
-    return [128000] + [1000 + (i * 37) % 20000 for i in range(n - 1)]
+    # ids below 21,000: valid in every vocabulary benchmarked (SmolLM2's 49,152, Llama-3's 128,256); the speed
+    # of either engine does not depend on which tokens they are
+    return [1000 + (i * 37) % 20000 for i in range(n)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=str(REPO / "runs/tiny/model"))
+    ap.add_argument("--model", default=str(REPO / "assets/models/smollm2-135m-instruct"),
+                    help="HF model folder (SmolLM2 by default; a missing folder: a random tiny model)")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7, help="groups of pairs (ratio median and spread over groups)")
@@ -224,6 +227,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return serve(a.worker, Path(a.path), a)
+    from bench_limits import forward_flops_per_token, measure
+
     from zerotune.quantize import run_converter
 
     calls = {"prompt": ("prefill", a.prefills, a.prompt_tokens), "decode": ("decode", a.decodes, a.new_tokens - 1)}
@@ -233,6 +238,8 @@ def main() -> None:
             model_dir = random_tiny_model(Path(tmp) / "model")
         gguf = Path(tmp) / "model-q8_0.gguf"
         run_converter(model_dir, "q8_0", gguf)
+        gguf_bytes = gguf.stat().st_size
+        limits = measure(model_dir, a.prompt_tokens, seconds=0.5, procs=1)  # the engines' own thread count: 1
         # gguf_aa: a second llama.cpp process on the same file, for the A/A noise floor (llama.cpp vs itself)
         workers = {e: Worker(e.removesuffix("_aa"), p, a, Path(tmp) / f"{e}.log")
                    for e, p in (("hf", model_dir), ("gguf", gguf), ("gguf_aa", gguf))}
@@ -261,7 +268,9 @@ def main() -> None:
            "repeats": a.repeats, "prefill_pairs_per_group": a.prefills, "prefill_burst": PREFILL_BURST,
            "decode_pairs_per_group": a.decodes, "cpus": os.cpu_count(),
            "threads": {e: w.info for e, w in workers.items()}, "median": med, "ratio_gguf_over_hf": ratio,
-           "a_a_gguf_over_gguf": a_a, "groups": groups, "cpu_steal_per_group": steal}
+           "a_a_gguf_over_gguf": a_a, "groups": groups, "cpu_steal_per_group": steal,
+           "limits": limits, "of_limit": of_limit(med, limits, json.loads((model_dir / "config.json").read_text()),
+                                                  gguf_bytes, forward_flops_per_token)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "inference.json").write_text(json.dumps(res, indent=2) + "\n")
@@ -286,8 +295,41 @@ def main() -> None:
     md += [f"- {m.replace('_', ' ')}: {fmt_ratio(ratio[m], 'groups')}; A/A {fmt_ratio(a_a[m], 'groups')}"
            for m in METRICS]
     md += ["- CPU steal per group (hypervisor, /proc/stat): " + ", ".join(pct(x) for x in steal)]
+    md += ["", "Against this machine's limits, measured in the same run (bench_limits.py, 1 thread): "
+           + limit_lines(res["of_limit"])]
     (out / "inference.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+
+
+def of_limit(med: dict, limits: dict, config: dict, gguf_bytes: int, flops_per_token) -> dict:
+    """Decode reads every weight once per token: tokens/s x GGUF bytes over the measured read bandwidth.
+    Prefill is matmul-bound: tokens/s x forward FLOPs per token over the fp32 matmul rate at the model's shapes
+    (llama.cpp multiplies Q8_0 blocks with integer dot products, so its fraction of the *fp32* rate may pass 1)."""
+    mem, mm = limits["memory_1_thread"], limits["matmul_1_thread"]
+    fpt = flops_per_token(config)
+    out = {"gguf_bytes": gguf_bytes, "forward_flops_per_token": fpt}
+    for e in ("gguf", "hf"):
+        out[e] = {"decode_of_read_bandwidth": med[e]["decode_tokens_per_s"] * gguf_bytes / mem["read_bytes_per_s"],
+                  "decode_of_read_bandwidth_cpu_s": med[e]["decode_tokens_per_cpu_s"] * gguf_bytes
+                  / mem["read_bytes_per_cpu_s"],
+                  "prompt_of_fp32_matmul": med[e]["prompt_tokens_per_s"] * fpt / mm["mix_flops_per_s"],
+                  "prompt_of_fp32_matmul_cpu_s": med[e]["prompt_tokens_per_cpu_s"] * fpt / mm["mix_flops_per_cpu_s"]}
+    # HF decodes fp32 weights: 4 bytes per weight read, not the GGUF's ~1.06
+    out["hf"]["decode_of_read_bandwidth"] *= 4 * (fpt / 2) / gguf_bytes
+    out["hf"]["decode_of_read_bandwidth_cpu_s"] *= 4 * (fpt / 2) / gguf_bytes
+    return out
+
+
+def limit_lines(o: dict) -> str:
+    g, h = o["gguf"], o["hf"]
+    return (f"llama.cpp Q8_0 decode reads {o['gguf_bytes'] / 2**20:.0f} MiB per token: "
+            f"{g['decode_of_read_bandwidth']:.0%} of the read bandwidth per wall-second "
+            f"({g['decode_of_read_bandwidth_cpu_s']:.0%} per CPU-second); transformers fp32 decode "
+            f"{h['decode_of_read_bandwidth']:.0%} ({h['decode_of_read_bandwidth_cpu_s']:.0%}). Prompt processing, "
+            f"{o['forward_flops_per_token'] / 1e6:.0f} MFLOP per token, against the fp32 matmul rate at the model's "
+            f"shapes: transformers {h['prompt_of_fp32_matmul']:.0%} ({h['prompt_of_fp32_matmul_cpu_s']:.0%} per "
+            f"CPU-second), llama.cpp {g['prompt_of_fp32_matmul']:.0%} ({g['prompt_of_fp32_matmul_cpu_s']:.0%}; "
+            "integer Q8_0 dot products, so not bounded by the fp32 rate).")
 
 
 def _group_ratio(rounds: list[dict], over: str = "hf") -> float:

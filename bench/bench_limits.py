@@ -8,9 +8,9 @@
   model's matmuls would take at that speed. Measured on one thread, and in one single-thread process per core
   at the same time (what training's ranks do: torchrun gives each OMP_NUM_THREADS=1), which is the machine's
   training limit.
-- Memory bandwidth: a single-thread copy of a buffer far larger than the caches (read + write bytes per
-  second), and a single-thread read (a sum over float32: bytes read per second). llama.cpp's single-thread
-  decode reads every weight once per token, so the read figure is its limit.
+- Memory bandwidth, one thread, over a buffer far larger than the caches: bytes read per second, the faster of
+  a matrix-vector product (a decode step's access pattern) and a numpy sum (llama.cpp's single-thread decode
+  reads every weight once per token, so this is its limit); and a numpy copy (read + write bytes per second).
 
 Used by bench_train.py and bench_inference.py (which call measure() at their start), and on its own it prints
 and writes bench/results/limits.json.
@@ -41,6 +41,12 @@ def model_matmuls(config: dict, tokens: int) -> list[tuple[str, int, int, int]]:
     return [("q_proj", tokens, h, heads * hd), ("k_proj", tokens, h, kv), ("v_proj", tokens, h, kv),
             ("o_proj", tokens, heads * hd, h), ("gate_proj", tokens, h, f), ("up_proj", tokens, h, f),
             ("down_proj", tokens, f, h), ("lm_head", tokens, h, config["vocab_size"])]
+
+
+def forward_flops_per_token(config: dict) -> float:
+    """2 x the weights every token multiplies (all layers and the LM head); attention scores left out."""
+    per_layer = sum(k * n for name, _, k, n in model_matmuls(config, 1) if name != "lm_head")
+    return 2.0 * (config["num_hidden_layers"] * per_layer + config["hidden_size"] * config["vocab_size"])
 
 
 def _time_matmul(m: int, k: int, n: int, seconds: float) -> tuple[float, float]:
@@ -84,22 +90,34 @@ def _matmul_child(args) -> dict:
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
+    """Single thread. read: a matrix-vector product over a fp32 matrix far larger than the caches (the access
+    pattern of a decode step: every weight read once, two FLOPs each), so bytes read per second; copy: numpy
+    copy of the same bytes (read + write)."""
     import numpy as np
+    import torch
 
-    src = np.ones(mib * 2**20 // 4, dtype=np.float32)
+    torch.set_num_threads(1)
+    w = torch.ones(mib * 2**20 // 4 // 8192, 8192)
+    v = torch.ones(8192)
+    src = w.numpy().reshape(-1)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # every page touched once before timing
-    out: dict = {"copy": [], "copy_cpu": [], "read": [], "read_cpu": []}
+    torch.mv(w, v)
+    kinds = {"read_mv": (lambda: torch.mv(w, v), src.nbytes), "read_sum": (src.sum, src.nbytes),
+             "copy": (lambda: np.copyto(dst, src), 2 * src.nbytes)}
+    out: dict = {f"{k}{c}": [] for k in kinds for c in ("", "_cpu")}
     for _ in range(repeats):
-        for kind, fn, nbytes in (("copy", lambda: np.copyto(dst, src), 2 * src.nbytes), ("read", src.sum, src.nbytes)):
+        for kind, (fn, nbytes) in kinds.items():
             t0, c0 = time.perf_counter(), time.thread_time()
             fn()
             out[kind].append(nbytes / (time.perf_counter() - t0))
             out[kind + "_cpu"].append(nbytes / max(time.thread_time() - c0, 1e-9))
     med = {k: statistics.median(v) for k, v in out.items()}
-    return {"copy_bytes_per_s": med["copy"], "copy_bytes_per_cpu_s": med["copy_cpu"],
-            "read_bytes_per_s": med["read"], "read_bytes_per_cpu_s": med["read_cpu"], "buffer_mib": mib,
-            "repeats": repeats}
+    # the limit: the faster of the two reads (whichever of torch's and numpy's loops streams better here)
+    return {"read_bytes_per_s": max(med["read_mv"], med["read_sum"]),
+            "read_bytes_per_cpu_s": max(med["read_mv_cpu"], med["read_sum_cpu"]),
+            "copy_bytes_per_s": med["copy"], "copy_bytes_per_cpu_s": med["copy_cpu"], "each": med,
+            "buffer_mib": mib, "repeats": repeats}
 
 
 def measure(model_dir: Path = SMOLLM2, tokens: int = 512, seconds: float = 1.0, procs: int | None = None) -> dict:

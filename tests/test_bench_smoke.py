@@ -53,6 +53,10 @@ def test_bench_inference_small(tmp_path):
             assert all(set(r) == {"hf", "gguf", "gguf_aa"} and min(r.values()) > 0 for r in g[m])
     assert res["threads"]["hf"]["threads"] == 1 and res["threads"]["gguf"]["threads_batch"] == 1
     assert len(res["a_a_gguf_over_gguf"]["prompt_tokens_per_s"]["per_repeat"]) == 2
+    lim = res["of_limit"]  # the fractions of this machine's measured limits (bench_limits.py, same run)
+    assert lim["gguf_bytes"] > 0 and lim["forward_flops_per_token"] > 0
+    assert all(0 < v < 10 for e in ("gguf", "hf") for v in lim[e].values()), lim
+    assert "of the read bandwidth" in (tmp_path / "inference.md").read_text()
     assert "ratio GGUF / HF" in (tmp_path / "inference.md").read_text()
 
 
