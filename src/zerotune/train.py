@@ -205,7 +205,13 @@ def _make_collate_padded(pad_id: int):
 def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int):
     from transformers import TrainingArguments
 
-    return TrainingArguments(
+    return TrainingArguments(**training_kwargs(r, bp, choice, on_gpu, max_steps))
+
+
+def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int) -> dict:
+    """The recipe as TrainingArguments fields; bench/bench_train.py builds its Trainer and TRL baselines from
+    the same dict, so every contender trains with the same hyper-parameters."""
+    return dict(
         output_dir=str(checkpoints_dir(r)),
         per_device_train_batch_size=r.train.micro_batch_size,
         gradient_accumulation_steps=bp.grad_accum,
@@ -213,7 +219,7 @@ def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choic
         learning_rate=r.train.lr,
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": r.train.min_lr_ratio},
-        warmup_steps=r.train.warmup_ratio,
+        warmup_steps=r.train.warmup_ratio,  # transformers 5: a value below 1 is a fraction of the total steps
         weight_decay=r.train.weight_decay,
         adam_beta2=r.train.adam_beta2,
         max_grad_norm=r.train.max_grad_norm,
