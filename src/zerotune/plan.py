@@ -430,6 +430,12 @@ def disk_preflight(r: Recipe, where) -> dict:
     return d
 
 
+def _loss_scale_note(ga, steps) -> str:
+    power, window = ds_config.loss_scale(ga, steps)
+    return (f" (DeepSpeed loss scale from 2^{power} for GA {ga}, doubled after {window} overflow-free steps"
+            f"{'' if steps else '; run length unknown before prepare'})")
+
+
 def dry_run(r: Recipe) -> str:
     """The resolved plan for the target cluster, without a GPU."""
     p = compute_plan(r)
@@ -439,7 +445,8 @@ def dry_run(r: Recipe) -> str:
     lines = [f"dry run: {r.name} (nothing launched)",
              f"  target         {c['nodes']} node(s) x {c['gpus_per_node']} {c['gpu_name']}",
              f"  world size     {c['world_size']}",
-             f"  precision      {ch['precision']}",
+             f"  precision      {ch['precision']}" + (_loss_scale_note(ga, p["data"]["total_steps"])
+                                                          if ch["precision"] == "fp16" and r.train.deepspeed else ""),
              f"  attention      {ch['attention']}",
              f"  Liger kernels  {'on' if ch['liger'] else 'off'}",
              f"  seq_len        {rc['seq_len']:,}",
