@@ -243,3 +243,12 @@ def test_zero_gradient_fraction_under_zero3_on_two_ranks(tiny_trained_40):
     rows = read_metrics(out)
     assert rows and all(0 <= r["grad_zero_frac"] < 0.01 for r in rows)
     assert log.count("zero grads") == len(rows)
+
+
+def test_fp16_without_deepspeed_gets_the_same_scale_rule():
+    """QLoRA on a T4 (GA 16, no DeepSpeed): torch's GradScaler from the same rule instead of accelerate's 2^16 /
+    2,000-step default. The swap into the Trainer's accelerator needs a GPU; the scaler itself is built here."""
+    from zerotune.ds_config import amp_grad_scaler
+
+    s = amp_grad_scaler(16, 300, device="cpu")
+    assert s.get_scale() == 2.0 ** 20 and s.get_growth_interval() == 30

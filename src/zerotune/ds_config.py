@@ -71,3 +71,13 @@ def build(r: Recipe, bp=None, steps: int | None = None) -> dict | None:
         if fp16.get("loss_scale_window") == "auto":
             fp16["loss_scale_window"] = window
     return cfg
+
+
+def amp_grad_scaler(grad_accum: int, steps: int | None, device: str = "cuda"):
+    """The same rule for fp16 without DeepSpeed (QLoRA on a T4): accelerate builds torch's GradScaler with
+    its defaults (2^16, growth every 2,000 steps) and the Trainer passes it no options, so the worker swaps
+    in this one before training (accelerate hands `accelerator.scaler` to the optimizer at prepare time)."""
+    import torch
+
+    power, window = loss_scale(grad_accum, steps)
+    return torch.amp.GradScaler(device, init_scale=2.0 ** power, growth_interval=window)

@@ -377,6 +377,8 @@ def _train_and_save(r: Recipe):
     metrics.count_labels(model)
     # fp16 underflow at large GA shows as zero gradient elements; Liger fp16 lm_head grads can overflow unscaled
     metrics.watch_grads(model, check_lm_head=choice.liger and choice.precision == "fp16")
+    if getattr(trainer.accelerator, "scaler", None) is not None:  # fp16 without DeepSpeed: torch's GradScaler
+        trainer.accelerator.scaler = ds_config.amp_grad_scaler(bp.grad_accum, steps)
     resume = last_committed(checkpoints_dir(r), quiet=rank != 0)
     if dist.is_initialized():
         dist.barrier()  # every rank has chosen before rank 0 removes anything
