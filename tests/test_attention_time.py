@@ -15,7 +15,7 @@ from zerotune.plan import attention_kind, compute_plan
 
 @pytest.mark.parametrize("attention, packing, micro, kind", [
     ("sdpa", True, 1, "dense"), ("sdpa", False, 1, "causal"), ("sdpa", False, 2, "dense"),  # padded batch
-    ("eager", True, 1, "dense"), ("flash_attention_2", True, 4, "varlen"), ("flash_attention_2", False, 2, "varlen"),
+    ("eager", True, 1, "dense"), ("eager", False, 1, "dense"), ("flash_attention_2", True, 4, "varlen"), ("flash_attention_2", False, 2, "varlen"),
 ])
 def test_attention_kind_per_backend(attention, packing, micro, kind):
     assert attention_kind(attention, packing, micro) == kind

@@ -113,6 +113,8 @@ def attention_kind(attention: str, packing: bool, micro: int) -> str:
     SDPA refuses attn_mask together with is_causal)."""
     if attention == "flash_attention_2":
         return "varlen"
+    if attention == "eager":
+        return "dense"  # eager always multiplies out all S x S scores and masks them afterwards
     return "dense" if _attention_has_mask(attention, packing, micro) else "causal"
 
 
