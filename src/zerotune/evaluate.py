@@ -101,18 +101,20 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
                             logits_all=False, n_gpu_layers=r.check.n_gpu_layers)
             try:
                 for es in todo:
-                    t0 = time.perf_counter()
+                    t0 = _started(which, es, rows_by_set)
                     preds, finish = gguf_answers(llm, rows_by_set[es.name], es.max_new_tokens)
                     res[es.name][which] = {"answers": preds, "finish": finish,
                                            "seconds": round(time.perf_counter() - t0, 2)}
+                    _done(res[es.name][which])
             finally:
                 llm.close()  # its __del__ at interpreter exit raises
         else:
             model, tok, stop = load_hf(models[which])
             for es in todo:
-                t0 = time.perf_counter()
+                t0 = _started(which, es, rows_by_set)
                 preds = hf_generate(model, tok, stop, rows_by_set[es.name], es.max_new_tokens)
                 res[es.name][which] = {"answers": preds, "seconds": round(time.perf_counter() - t0, 2)}
+                _done(res[es.name][which])
             del model
         for es in todo:
             cache[keys[which, es.name]] = res[es.name][which]
@@ -121,6 +123,17 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
         for which, v in res[es.name].items():
             v["score"], v["per_row"] = _score_all(es, v["answers"], rows_by_set[es.name])
     return {"models": {k: str(v) for k, v in models.items()}, "sets": res}
+
+
+def _started(which: str, es: EvalSetCfg, rows_by_set: dict) -> float:
+    """Minutes of greedy answers on CPU: say what is being answered, so a log never sits silent."""
+    print(f"eval: {which} model answering {len(rows_by_set[es.name])} '{es.name}' prompts "
+          f"(up to {es.max_new_tokens} new tokens each) ...", end="", flush=True)
+    return time.perf_counter()
+
+
+def _done(v: dict) -> None:
+    print(f" {v['seconds']:.0f}s", flush=True)
 
 
 def evaluate(r: Recipe) -> int:
