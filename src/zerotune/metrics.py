@@ -224,7 +224,8 @@ class StepMetrics(TrainerCallback):
             head_bad = int(hb.item())
             self.head_bad_total += head_bad
             self._head_bad_steps = self._head_bad_steps + 1 if head_bad else 0
-            if self._head_bad_steps >= self.max_overflows:
+            # Lowering the scale cannot cure it and each skipped step costs hours at 8B: two in a row is systematic.
+            if self._head_bad_steps >= min(2, self.max_overflows):
                 raise FP16OverflowError(
                     f"lm_head's gradient was inf/NaN in {self._head_bad_steps} steps in a row (step {state.global_step}): "
                     "Liger's fused cross entropy sums it in fp16 before loss scaling, so DeepSpeed lowering the scale "
