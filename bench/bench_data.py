@@ -149,6 +149,8 @@ def main() -> None:
                   f"baseline {b_wall:.1f} s ({b_cpu:.1f} CPU-s, mean of the slices before and after): "
                   f"{runs[-1]['wall']:.2f}x wall, {runs[-1]['per_cpu_second']:.2f}x per CPU-s", flush=True)
 
+        limit = tokenizer_limit(tok, src)
+
         # Exactness: the baseline's ids and labels against prepare's unpacked documents on the same rows, at a
         # seq_len that holds the longest of them (the baseline never truncates; at --seq-len prepare would).
         r2 = from_dict({**{k: v for k, v in r.to_dict().items() if k not in ("data", "output_dir")},
@@ -186,6 +188,10 @@ def main() -> None:
         "ratio": ratio,
         "repeat_runs": runs,
         "identical_ids_and_labels_on_baseline_subset": exact,
+        "tokenizer_limit": limit,
+        "prepare_of_tokenizer_limit": {
+            "wall": med["prepare_tokens_per_s"] / limit["tokens_per_s"],
+            "per_cpu_second": (doc_tokens / med["prepare_cpu_s"]) / limit["tokens_per_cpu_s"]},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
     }
     out = Path(args.out)
@@ -215,6 +221,12 @@ baseline slices just before and after it (medians below).
 - Document length (tokens): {p['doc_length']}
 - Noise floor: one baseline slice against the next, identical work (A/A): **{fmt_ratio(ratio['baseline_a_a'])}**
 - Baseline ids and labels identical to `prepare`'s on its {b['conversations']:,} conversations: **{exact}**
+- The part that is not zerotune's: the tokenizer alone, one batched call per 1,000 already-rendered chats (same
+  texts, {limit['processes']} process{'es' if limit['processes'] > 1 else ''}), {limit['tokens_per_s']:,.0f} tokens/s,
+  {limit['tokens_per_cpu_s']:,.0f} tokens per CPU-second. `prepare` end to end reaches
+  **{res['prepare_of_tokenizer_limit']['per_cpu_second']:.0%} of it per CPU-second**
+  ({res['prepare_of_tokenizer_limit']['wall']:.0%} per wall-second; prepare runs num_proc {args.num_proc} workers);
+  the rest is reading, validation, labelling, packing and writing Arrow.
 
 | repeat | prepare wall s | prepare CPU-s | baseline wall s | baseline CPU-s | wall ratio | per CPU-s ratio | A/A | CPU steal prepare / baseline |
 |---:|---:|---:|---:|---:|---:|---:|---:|---:|
@@ -222,6 +234,21 @@ baseline slices just before and after it (medians below).
 """
     out.with_suffix(".md").write_text(md)
     print(md)
+
+
+def tokenizer_limit(tok, src: Path, batch: int = 1000) -> dict:
+    """The tokenizer's own throughput on the prepared texts: every chat rendered by its template first (not
+    timed), then tokenized in batched calls, in this one process (its Rust thread pool as the environment sets
+    it; TOKENIZERS_PARALLELISM=false under make)."""
+    with open(src) as f:
+        texts = [tok.apply_chat_template(json.loads(x)["messages"], tokenize=False) for x in f]
+    t0, c0, n = time.perf_counter(), _cpu(), 0
+    for i in range(0, len(texts), batch):
+        n += sum(len(x) for x in tok(texts[i:i + batch], add_special_tokens=False)["input_ids"])
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    return {"texts": len(texts), "tokens": n, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2),
+            "tokens_per_s": n / wall, "tokens_per_cpu_s": n / cpu, "processes": 1,
+            "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM", "unset")}
 
 
 def _cpu() -> float:

@@ -264,7 +264,7 @@ def main() -> None:
     ratio = {m: ratio_stats([_group_ratio(g[m]) for g in groups]) for m in METRICS}
     a_a = {m: ratio_stats([_group_ratio(g[m], "gguf_aa") for g in groups]) for m in METRICS}
     steal = [g["steal"] for g in groups]
-    res = {"model": str(model_dir), "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
+    res = {"model": str(model_dir.relative_to(REPO) if model_dir.is_relative_to(REPO) else model_dir), "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens,
            "repeats": a.repeats, "prefill_pairs_per_group": a.prefills, "prefill_burst": PREFILL_BURST,
            "decode_pairs_per_group": a.decodes, "cpus": os.cpu_count(),
            "threads": {e: w.info for e, w in workers.items()}, "median": med, "ratio_gguf_over_hf": ratio,

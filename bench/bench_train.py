@@ -56,6 +56,7 @@ Writes bench/results/train.json, train.md and train.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -74,7 +75,8 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 WORK = BENCH / "work" / "train"
 TRL_SITE = BENCH / "work" / "trl-site"
-RECIPE = BENCH / "recipes" / "bench_train.yaml"
+RECIPE = BENCH / "recipes" / "bench_train.yaml"  # model, data and every hyper-parameter of every contender
+CHATML_TRAINING = BENCH / "recipes" / "chatml_training.jinja"  # TRL's assistant-only masks for SmolLM2's ChatML
 CHAT = WORK / "chat.jsonl"  # the path bench/recipes/bench_train.yaml reads
 ZT_OUT = WORK / "zerotune"
 sys.path.insert(0, str(REPO / "src"))
@@ -86,12 +88,11 @@ from zerotune import manifest as mf  # noqa: E402
 # The three estimates of useful-token throughput whose ratios to the padded Trainer are reported
 METRICS = {"label_tokens_per_s": "measured", "label_tokens_per_s_long_run": "long-run",
            "label_tokens_per_cpu_s_long_run": "long-run, per CPU-s"}
-CONFIGS = ("zerotune", "trainer_padded", "trl_default", "trl_packing")
-LABELS = {"zerotune": "zerotune (packed, CLI)", "trainer_padded": "transformers Trainer, padded per batch",
+CONFIGS = ("zerotune", "zerotune_lora", "trainer_padded", "trl_default", "trl_packing")
+LABELS = {"zerotune": "zerotune (packed, CLI)", "zerotune_lora": "zerotune LoRA r16 (packed, CLI)",
+          "trainer_padded": "transformers Trainer, padded per batch",
           "trl_default": "TRL SFTTrainer, default (padded)", "trl_packing": "TRL SFTTrainer, packing=True"}
 # Hyper-parameters shared by every contender (the bench recipe states the same values for zerotune).
-HP = {"lr": 1e-4, "warmup_ratio": 0.1, "min_lr_ratio": 0.1, "weight_decay": 0.0, "adam_beta2": 0.95,
-      "max_grad_norm": 1.0, "seed": 42, "procs": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -141,20 +142,24 @@ def worker(spec_path: str) -> None:
     import torch
     import torch.distributed as dist
     from datasets import Dataset, load_from_disk
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    from zerotune import batch as batchmod
+    from zerotune import hardware
+    from zerotune.data.prepare import load_tokenizer
+    from zerotune.train import training_kwargs
 
     spec = json.loads(Path(spec_path).read_text())
     kind = spec["kind"]
-    common = dict(
-        output_dir=str(WORK / f"ckpt-{kind}"), per_device_train_batch_size=spec["micro_batch"],
-        gradient_accumulation_steps=spec["grad_accum"], max_steps=spec["steps"], learning_rate=HP["lr"],
-        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": HP["min_lr_ratio"]},
-        warmup_steps=HP["warmup_ratio"], weight_decay=HP["weight_decay"], adam_beta2=HP["adam_beta2"],
-        max_grad_norm=HP["max_grad_norm"], gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-        deepspeed=json.loads((REPO / "configs/deepspeed/zero3.json").read_text()), use_cpu=True,
-        logging_steps=1, save_strategy="no", report_to=[], seed=HP["seed"], data_seed=HP["seed"],
-        disable_tqdm=True)
+    r = recipe(spec["overrides"])
+    bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, r.train.cpu_procs)
+    choice = hardware.choose(hardware.detect(), r.train.precision, r.train.attention, r.train.liger)
+    # zerotune's own TrainingArguments fields; what differs is only what makes each contender what it is: its
+    # micro-batch (documents, not packed rows), a plain user's defaults (random sampling, unused columns
+    # dropped), and no checkpoints
+    common = {**training_kwargs(r, bp, choice, False, spec["steps"]), "output_dir": str(WORK / f"ckpt-{kind}"),
+              "per_device_train_batch_size": spec["micro_batch"], "save_strategy": "no", "report_to": [],
+              "remove_unused_columns": True, "train_sampling_strategy": "random"}
     if kind == "ab":
         common.update(per_device_train_batch_size=1, gradient_accumulation_steps=1,
                       remove_unused_columns=False, train_sampling_strategy="sequential")
@@ -163,13 +168,13 @@ def worker(spec_path: str) -> None:
     else:
         from trl import SFTConfig
         args = SFTConfig(**common, max_length=spec["seq_len"], packing=kind == "trl_packing",
-                         assistant_only_loss=True, bf16=False)
+                         assistant_only_loss=True, chat_template_path=trl_chat_template())
+        # (bf16 comes from training_kwargs, as for zerotune: SFTConfig's own default would be bf16 on)
     import deepspeed
     # As in zerotune (and NOTES.md): under use_cpu=True the Trainer does not set up deepspeed.comm, so
     # zero.Init would see world size 1 and reject the batch config.
     deepspeed.init_distributed(dist_backend="gloo")
-    tok = AutoTokenizer.from_pretrained(str(REPO / "assets/tokenizer/llama3_1"))
-    tok.pad_token = tok.eos_token  # Llama-3 has no pad token; padding is label-masked (zerotune falls back to EOS too)
+    tok = load_tokenizer(r)  # the same tokenizer and pad id as zerotune (padding is label-masked either way)
     model = AutoModelForCausalLM.from_pretrained(spec["base"], dtype=torch.float32, attn_implementation="sdpa")
     model.config.use_cache = False
 
@@ -265,6 +270,29 @@ def ab_summary(raw: dict, long_eff: dict) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 # Launcher side
 
+def recipe(overrides: list[str]):
+    from zerotune.config import load_recipe
+
+    return load_recipe(str(RECIPE), overrides)
+
+
+def procs() -> int:
+    return recipe([]).train.cpu_procs
+
+
+def trl_chat_template() -> str | None:
+    """TRL's own training template where it has one for the model's template (Llama-3), else ours (ChatML)."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    from zerotune.data.prepare import load_tokenizer
+
+    try:
+        get_training_chat_template(load_tokenizer(recipe([])))
+        return None  # TRL swaps in its own (Llama-3), or the template has the markers already
+    except ValueError:  # TRL: "patching is not supported for this template. Please manually modify [it]"
+        return str(CHATML_TRAINING)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -283,15 +311,15 @@ def _run(cmd: list[str], log: Path, env: dict) -> float:
 
 def zt_overrides(a) -> list[str]:
     return [f"output_dir={ZT_OUT.relative_to(REPO)}", f"data.seq_len={a.seq_len}",
-            f"train.max_steps={a.steps}", f"train.global_batch_tokens={a.seq_len * HP['procs'] * a.grad_accum}"]
+            f"train.max_steps={a.steps}", f"train.global_batch_tokens={a.seq_len * procs() * a.grad_accum}"]
 
 
-def run_zerotune(a, log: Path, env: dict) -> dict:
+def run_zerotune(a, log: Path, env: dict, extra: list[str]) -> dict:
     out = WORK / "probe-zerotune.jsonl"
     out.unlink(missing_ok=True)
     env = dict(env, ZT_BENCH_PROBE=str(out),
                PYTHONPATH=os.pathsep.join(p for p in (str(BENCH / "probe"), env.get("PYTHONPATH")) if p))
-    wall = _run([sys.executable, "-m", "zerotune", "train", str(RECIPE.relative_to(REPO)), *zt_overrides(a)],
+    wall = _run([sys.executable, "-m", "zerotune", "train", str(RECIPE.relative_to(REPO)), *zt_overrides(a), *extra],
                 log, env)
     rows = mf.read_jsonl(out)
     own = {r["step"]: r for r in mf.read_jsonl(ZT_OUT / "train" / "metrics.jsonl")}
@@ -309,7 +337,7 @@ def run_baseline(kind: str, a, spec: dict, log: Path, env: dict) -> dict:
     env = dict(env, DS_ACCELERATOR="cpu")
     if kind.startswith("trl"):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TRL_SITE), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={HP['procs']}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs()}",
            "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(Path(__file__).resolve()),
            "--worker", str(spec_path)]
     wall = _run(cmd, log, env)
@@ -335,15 +363,27 @@ def summarise(run: dict, warmup: int, long_run_eff: float, label_fraction: float
             "peak_mem_gib": max(r["peak_mem_gib_max_rank"] for r in rows), "steps": rows}
 
 
+def of_matmul_limit(m: dict, flops_tok: float, limits: dict) -> dict:
+    """Model FLOPs/s (6N + attention per processed token, padding included: what the contender computes) over
+    the fp32 matmul rate of all cores at the model's shapes, per wall- and per CPU-second. With gradient
+    checkpointing the forward runs twice: hardware FLOPs are 8N, i.e. x(8/6) on the dense part."""
+    flops_s = m["processed_tokens_per_s"] * flops_tok
+    flops_cpu_s = m["processed_tokens_per_s"] * flops_tok / m["cpu_utilisation"]
+    mm = limits["matmul_all_cores"]
+    return {"model_flops_per_s": flops_s, "of_matmul_limit": flops_s / mm["flops_per_s"],
+            # per CPU-second of the ranks vs per CPU-second of the microbenchmark: load-independent
+            "of_matmul_limit_cpu_s": flops_cpu_s / mm["flops_per_cpu_s"]}
+
+
 def tokenize_padded(a, n: int, path: Path) -> dict:
     """The plain user's data: chat template, per-turn prefix labels (bench_data.baseline), truncate to seq_len."""
     import numpy as np
     from datasets import Dataset
-    from transformers import AutoTokenizer
 
     from bench_data import baseline
+    from zerotune.data.prepare import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(REPO / "assets/tokenizer/llama3_1"))
+    tok = load_tokenizer(recipe(zt_overrides(a)))
     with open(CHAT) as f:
         convs = [json.loads(x)["messages"] for _, x in zip(range(n), f)]
     docs, secs = baseline(tok, convs)
@@ -375,15 +415,16 @@ def expected_padding_efficiency(lengths, b: int, seed: int = 0) -> float:
 
 
 def trl_label_check(n: int) -> dict:
-    """TRL's assistant masks (its llama3 training template) vs zerotune's labels on the first n conversations."""
+    """TRL's assistant masks (with the training template its runs use) vs zerotune's labels, first n conversations."""
     sys.path.insert(0, str(TRL_SITE))
-    from transformers import AutoTokenizer
     from trl.chat_template_utils import get_training_chat_template
 
     from bench_data import baseline
+    from zerotune.data.prepare import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(REPO / "assets/tokenizer/llama3_1"))
-    tmpl = get_training_chat_template(tok)
+    tok = load_tokenizer(recipe([]))
+    path = trl_chat_template()
+    tmpl = Path(path).read_text() if path else get_training_chat_template(tok) or tok.chat_template
     with open(CHAT) as f:
         convs = [json.loads(x)["messages"] for _, x in zip(range(n), f)]
     same = 0
@@ -423,7 +464,7 @@ def plot(res: dict, png: Path) -> None:
     for ax in (a, b):
         ax.set_xticks(x, [LABELS[c].replace(", ", ",\n") for c in names], fontsize=8)
     st = res["setup"]
-    fig.suptitle(f"Tiny Llama-3.1, seq_len {st['seq_len']}, DeepSpeed ZeRO-3 on {HP['procs']} CPU processes, "
+    fig.suptitle(f"{st['model']}, seq_len {st['seq_len']}, DeepSpeed ZeRO-3 on {procs()} CPU processes, "
                  f"{st['repeats']} alternating repeats", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
@@ -435,12 +476,12 @@ def markdown(res: dict) -> str:
     lines = [
         "# Training-throughput benchmark (`bench/bench_train.py`)",
         "",
-        f"Tiny Llama-3.1 (2 layers, width 64, 128,256-token vocabulary: the output layer dominates the compute), "
+        f"{s['model_description']}, "
         f"{s['conversations']:,} synthetic multi-turn chats (bench_data.generate; mean {s['mean_doc_tokens']:.0f} "
         f"tokens after truncation to seq_len {s['seq_len']}, {s['label_fraction']:.1%} of them label tokens), "
-        f"DeepSpeed ZeRO-3 on {HP['procs']} CPU processes, fp32, gradient accumulation {s['grad_accum']}, "
-        f"{s['steps']} optimizer steps per run ({s['trl_steps']} for TRL, whose CPU loss path makes a step 3-4x as "
-        f"long) of which the first {s['warmup']} not measured, {s['repeats']} "
+        f"DeepSpeed ZeRO-3 on {procs()} CPU processes, fp32, gradient accumulation {s['grad_accum']}, "
+        f"{s['steps']} optimizer steps per run ({s['trl_steps']} for TRL) of which the first {s['warmup']} not "
+        f"measured, {s['repeats']} "
         f"alternating repeats (TRL in the first {s.get('trl_repeats', s['repeats'])}), {res['machine']['cpus']} CPUs shared with other jobs (ratios within a repeat are what "
         f"count). Whole benchmark: {res['wall_s'] / 60:.1f} min. Medians over repeats:",
         "",
@@ -465,7 +506,7 @@ def markdown(res: dict) -> str:
               "this is the label-token rate of a long run without that sample noise.",
               "- *per CPU-s*: the same with the CPU time of the worker processes (user + system, both ranks) instead "
               "of wall time: insensitive to other jobs taking the cores. On an idle machine it is the wall rate / "
-              f"{HP['procs']}.",
+              f"{procs()}.",
               "", "Ratio to the padded Trainer in each repeat (spread = (max - min) / median):", "",
               "| config | metric | " + " | ".join(f"repeat {i + 1}" for i in range(s["repeats"])) + " | spread |",
               "|---|---|" + "---:|" * (s["repeats"] + 1)]
@@ -495,13 +536,31 @@ def markdown(res: dict) -> str:
                       f"{s['efficiency_long_run']['trainer_padded']:.3f} padded) that implies a useful-token ratio of "
                       f"**{ab['implied_label_token_ratio_wall']:.2f}x** (wall) / "
                       f"{ab['implied_label_token_ratio_cpu']:.2f}x (CPU) for zerotune's batches over the padded ones."]
-    z = {name: rat.get(key, {}).get("zerotune") for key, name in METRICS.items()}
-    if all(z.values()):
-        ok = {name: v["median"] >= 1.2 for name, v in z.items()}
-        verdict = "met" if all(ok.values()) else "NOT met" if not any(ok.values()) else "met by some estimates only"
-        lines += ["", f"Issue 9 acceptance (zerotune >= 1.2x the padded Trainer in useful tokens/s): **{verdict}**: "
-                      + ", ".join(f"{v['median']:.2f}x {name}" for name, v in z.items())
-                      + f" (medians over {s['repeats']} repeats)."]
+    lim = res["limits"]["matmul_all_cores"]
+    lines += ["", f"Against this machine's limit, measured in the same run: fp32 matmul at the model's shapes, "
+                  f"{lim['processes']} single-thread processes at once: {lim['flops_per_s'] / 1e9:.1f} GFLOP/s "
+                  f"({lim['flops_per_cpu_s'] / 1e9:.1f} GFLOP per CPU-second of one process). Model FLOPs per "
+                  f"processed token: {res['flops_per_token'] / 1e6:.0f} M.", "",
+              "| config | model GFLOP/s | of the matmul limit (wall) | of the matmul limit (per CPU-s) |",
+              "|---|---:|---:|---:|"]
+    lines += [f"| {LABELS[c]} | {med[c]['model_flops_per_s'] / 1e9:.1f} | {med[c]['of_matmul_limit']:.0%} | "
+              f"{med[c]['of_matmul_limit_cpu_s']:.0%} |" for c in CONFIGS if c in med]
+    goals = []
+    z = rat.get("label_tokens_per_cpu_s_long_run", {}).get("zerotune")
+    if z:
+        goals.append(f"zerotune >= 1.5x the padded Trainer per CPU-second: {z['median']:.2f}x "
+                     f"({'met' if z['median'] >= 1.5 else 'NOT met'})")
+    if "trl_packing" in med and "zerotune" in med:
+        k = "label_tokens_per_cpu_s_long_run"
+        both = [r["zerotune"][k] / r["trl_packing"][k] for r in res["repeats"] if "trl_packing" in r]
+        x = statistics.median(both)
+        goals.append(f"zerotune >= 1.0x TRL with packing per CPU-second: {x:.2f}x ({'met' if x >= 1.0 else 'NOT met'})")
+    if "zerotune" in med:
+        f = med["zerotune"]["of_matmul_limit_cpu_s"]
+        goals.append(f"training at >= 50% of the measured matmul rate (per CPU-second): {f:.0%} "
+                     f"({'met' if f >= 0.5 else 'NOT met'})")
+    if goals:
+        lines += ["", "Issue 21 goals: " + "; ".join(goals) + "."]
     lines += ["", "Notes:", ""] + [f"- {n}" for n in res["notes"]]
     return "\n".join(lines) + "\n"
 
@@ -510,14 +569,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--grad-accum", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
     ap.add_argument("--trl-steps", type=int, default=3,
                     help="optimizer steps per TRL run (its CPU loss path makes a step ~3-4x as long)")
     ap.add_argument("--warmup", type=int, default=1, help="first steps not measured")
-    ap.add_argument("--ab-steps", type=int, default=14,
+    ap.add_argument("--ab-steps", type=int, default=0,
                     help="steps of the same-job A/B diagnostic (packed and padded batches alternating); 0 = skip")
-    ap.add_argument("--repeats", type=int, default=3, help="alternating repeats of zerotune and the padded Trainer")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating repeats of zerotune and the padded Trainer")
     ap.add_argument("--trl-repeats", type=int, default=1,
                     help="of those, how many also run the TRL configs (CPU artefacts, 3-4x as slow: see the notes)")
     ap.add_argument("--docs-per-micro", type=int, default=0, help="padded micro-batch in documents; 0 = match a packed row")
@@ -540,21 +599,21 @@ def main() -> None:
     from zerotune.train import materialise_base
 
     # Data: enough conversations for every run (packed rows hold ~seq_len / 474 documents at seq_len 1024).
-    n = a.conversations or max(400, int(2 * a.steps * a.grad_accum * HP["procs"] * 4))
+    n = a.conversations or max(400, int(2 * a.steps * a.grad_accum * procs() * 4))
     generate(CHAT, n)
     t0 = time.perf_counter()
     subprocess.check_call([sys.executable, "-m", "zerotune", "prepare", str(RECIPE.relative_to(REPO)),
                            *zt_overrides(a), "--skip-preflight"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
     prepare_s = time.perf_counter() - t0
-    recipe = load_recipe(str(RECIPE), zt_overrides(a))
-    base = materialise_base(recipe)  # the same initial weights for every contender
+    recipe_ = load_recipe(str(RECIPE), zt_overrides(a))
+    base = materialise_base(recipe_)  # the same initial weights for every contender
     manifest = json.loads((ZT_OUT / "data" / "manifest.json").read_text())
     pad = tokenize_padded(a, n, WORK / "padded")
     pack_eff = manifest["packing"]["efficiency"]
     b = a.docs_per_micro or max(1, round(a.seq_len * pack_eff / pad["mean_doc_tokens"]))
     lengths = pad.pop("lengths")
     spec = {"base": str(base), "seq_len": a.seq_len, "grad_accum": a.grad_accum, "steps": a.steps,
-            "conversations": n, "tokenized": str(WORK / "padded")}
+            "conversations": n, "tokenized": str(WORK / "padded"), "overrides": zt_overrides(a)}
     label_check = trl_label_check(min(200, n)) if trl_info else None
     # The whole data set's label fraction (label / real tokens: identical labels for every contender) and each
     # contender's real / processed tokens on it: packed rows (zerotune's manifest), padding-free TRL rows (1.0),
@@ -562,10 +621,20 @@ def main() -> None:
     label_fraction = manifest["tokens"]["train_label"] / manifest["tokens"]["train_real"]
     pad_eff = {k: expected_padding_efficiency(lengths, k) for k in (1, 2, 4, 8)}
     pad_eff[b] = expected_padding_efficiency(lengths, b)
-    long_eff = {"zerotune": pack_eff, "trainer_padded": pad_eff[b], "trl_default": pad_eff[b], "trl_packing": 1.0}
+    long_eff = {"zerotune": pack_eff, "zerotune_lora": pack_eff, "trainer_padded": pad_eff[b], "trl_default": pad_eff[b],
+                "trl_packing": 1.0}
     print(f"bench_train: {n} conversations, seq_len {a.seq_len}, packing efficiency {pack_eff}, padded micro-batch "
           f"{b} documents, grad-accum {a.grad_accum}, {a.steps} steps ({a.warmup} warm-up), {a.repeats} repeats",
           flush=True)
+
+    from bench_limits import describe, measure
+    from zerotune.metrics import flops_per_token
+    from zerotune.planner.memory import model_shape
+
+    limits = measure(base, a.seq_len, seconds=1.0)  # this machine's fp32 matmul rate at the model's shapes
+    print(f"bench_train: {describe(limits)}", flush=True)
+    shape = model_shape(recipe_)
+    fpt = flops_per_token(shape.n_params, shape.layers, shape.hidden, a.seq_len)
 
     repeats = []
     for rep in range(a.repeats):
@@ -575,12 +644,13 @@ def main() -> None:
                 continue
             steal = Steal()
             log = WORK / f"log-{c}-{rep}.txt"
-            if c == "zerotune":
-                run = run_zerotune(a, log, env)
+            if c.startswith("zerotune"):
+                run = run_zerotune(a, log, env, ["peft.method=lora"] if c == "zerotune_lora" else [])
             else:
                 run = run_baseline(c, a, {**spec, "micro_batch": 1 if c == "trl_packing" else b,
                                           "steps": a.trl_steps if c.startswith("trl") else a.steps}, log, env)
             this[c] = {**summarise(run, a.warmup, long_eff[c], label_fraction), "steal": steal.fraction()}
+            this[c].update(of_matmul_limit(this[c], fpt, limits))
             print(f"bench_train: repeat {rep + 1} {c}: {this[c]['label_tokens_per_s']:,.0f} label tok/s, "
                   f"{this[c]['processed_tokens_per_s']:,.0f} processed tok/s, eff {this[c]['efficiency']:.3f}, "
                   f"peak {this[c]['peak_mem_gib']:.2f} GiB, run {this[c]['wall_s']:.0f} s, steal {this[c]['steal']}", flush=True)
@@ -593,7 +663,7 @@ def main() -> None:
         spec_ab = {**spec, "kind": "ab", "micro_batch": b, "steps": a.ab_steps, "out": str(out)}
         (WORK / "spec-ab.json").write_text(json.dumps(spec_ab))
         t0 = time.perf_counter()
-        _run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={HP['procs']}",
+        _run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs()}",
               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", str(Path(__file__).resolve()),
               "--worker", str(WORK / "spec-ab.json")], log, dict(env, DS_ACCELERATOR="cpu"))
         ab = {**ab_summary(json.loads(out.read_text()), long_eff), "wall_s": round(time.perf_counter() - t0, 1)}
@@ -603,6 +673,7 @@ def main() -> None:
               flush=True)
 
     keys = ("label_tokens_per_s", "label_tokens_per_s_long_run", "label_tokens_per_cpu_s_long_run",
+            "model_flops_per_s", "of_matmul_limit", "of_matmul_limit_cpu_s",
             "real_tokens_per_s", "processed_tokens_per_s", "cpu_utilisation", "efficiency", "efficiency_long_run",
             "peak_mem_gib",
             "label_tokens_per_step", "real_tokens_per_step", "wall_s", "startup_and_teardown_s")
@@ -616,47 +687,40 @@ def main() -> None:
                     continue
                 ratios[key][c] = ratio_stats([r[c][key] / r["trainer_padded"][key] for r in repeats if c in r])
     notes = [
-        "Label tokens = tokens with a loss (assistant turns incl. their <|eot_id|>); identical token ids and labels "
-        "for zerotune, the Trainer baseline (bench_data.baseline) and TRL with assistant_only_loss=True "
+        "Label tokens = tokens with a loss (assistant turns incl. their end-of-turn token); identical token ids and "
+        "labels for zerotune, the Trainer baseline (bench_data.baseline) and TRL with assistant_only_loss=True "
         f"({label_check['identical_ids_and_labels'] if label_check else 'n/a'}/"
-        f"{label_check['conversations'] if label_check else 'n/a'} conversations checked for TRL).",
+        f"{label_check['conversations'] if label_check else 'n/a'} conversations checked for TRL, which trains "
+        f"SmolLM2 through bench/recipes/chatml_training.jinja: TRL ships no training template for its ChatML).",
         f"Padded micro-batch = {b} documents per rank ({a.seq_len} x packing efficiency {pack_eff} / mean document "
         f"{pad['mean_doc_tokens']:.0f} tokens). Expected padding efficiency of random micro-batches on this data: "
-        + ", ".join(f"{k} docs {pad_eff[k]:.2f}" for k in (1, 2, 4, 8))
-        + " (TRL's default per_device_train_batch_size is 8; 2 is the fair match and the most favourable "
-          "to the padded baselines).",
-        "Throughput on this model is set by the 128,256-way output layer and its fp32 cross entropy "
-        "(~0.5 GB of logits per 1,024 tokens), i.e. it is proportional to tokens processed, padding included: "
-        "the ratios below track the padding/packing efficiencies. On an 8B model the same holds for the "
-        "linear layers, while attention adds a term that packing's block-causal mask does not reduce.",
-        "TRL 1.16's SFTTrainer always computes the loss with its fused, chunked LM head (log-probs plus the "
-        "entropy and top-1 metrics without materialising the logits). On CUDA that is a Triton kernel; on CPU it "
-        "falls back to unfused torch ops over 4,096 x 32,768 tiles, which profiled at about 4x the forward+backward "
-        "time of the plain logits + cross entropy on this model (single process, 1,024 tokens). So the TRL rows "
-        "measure that CPU fallback more than padding or packing; their memory benefits from it (no full logits).",
-        "Same cost per processed token: in one process (no DeepSpeed, 1 thread, gradient checkpointing) a packed "
-        "1,024-token row and padded 2-document batches of this data took 3.84 and 3.85 ms per processed token "
-        "(fwd+bwd; causal attention over the whole row without the block-causal mask: 3.65). So the gap between "
-        "zerotune and the padded Trainer is the padding, plus the per-micro-step ZeRO-3 collectives, which the "
-        "padded run amortises over more (padded) tokens per micro-step.",
-        "On CPU about half the time of the full-logits contenders is system time: glibc hands each ~0.5 GB logits "
-        "buffer back to the OS and page-faults it in again at the next micro-step (one process: 5.1 s system of "
-        "11.0 s wall for 4 micro-steps; with MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ at 4 GiB, 7.5 s "
-        "wall). Left as is here: it applies to zerotune and the plain Trainer alike.",
+        + ", ".join(f"{k} docs {pad_eff[k]:.2f}" for k in (1, 2, 4, 8)) + ".",
+        "Every contender's TrainingArguments come from zerotune.train.training_kwargs(the bench recipe): the same "
+        "optimizer, schedule, precision, DeepSpeed config and gradient checkpointing; LoRA uses the recipe's "
+        "peft defaults (r 16 on every linear layer of the blocks).",
+        "Model FLOPs = 6N + attention per processed token (zerotune.metrics.flops_per_token; LoRA is counted the "
+        "same, although it skips the frozen weights' gradients). The limit is the fp32 matmul rate of both cores "
+        "at the model's shapes, measured by bench/bench_limits.py in this run; gradient checkpointing adds a "
+        "second forward (hardware FLOPs 8N), which the fraction does not count.",
         "Peak memory is the max RSS of a worker process (ru_maxrss) over ranks, so it includes the Python, "
-        "torch and DeepSpeed baseline of each process (~0.8 GiB here) besides the activations and logits.",
+        "torch and DeepSpeed baseline of each process (~0.8 GiB here) besides the model, activations and logits.",
     ]
     res = {
         "setup": {"seq_len": a.seq_len, "grad_accum": a.grad_accum, "steps": a.steps, "trl_steps": a.trl_steps,
                   "warmup": a.warmup,
-                  "repeats": a.repeats, "trl_repeats": min(a.trl_repeats, a.repeats), "conversations": n, "processes": HP["procs"], "hyper_parameters": HP,
+                  "repeats": a.repeats, "trl_repeats": min(a.trl_repeats, a.repeats), "conversations": n, "processes": procs(),
+                  "recipe_train_section": dataclasses.asdict(recipe(zt_overrides(a)).train),
                   "padded_docs_per_micro_batch": b, "packing_efficiency_prepared": pack_eff,
                   "label_fraction": label_fraction, "efficiency_long_run": long_eff,
                   "expected_padding_efficiency_by_docs_per_micro_batch": pad_eff,
                   "mean_doc_tokens": pad["mean_doc_tokens"], "padded_data": pad, "zerotune_prepare_s": round(prepare_s, 1),
-                  "model": "configs/models/tiny_llama31.json", "deepspeed": "configs/deepspeed/zero3.json",
+                  "model": recipe_.model.name_or_path, "deepspeed": recipe_.train.deepspeed,
+                  "model_description": f"{Path(recipe_.model.name_or_path).name} ({shape.layers} layers, width "
+                                       f"{shape.hidden}, {shape.vocab:,}-token vocabulary, "
+                                       f"{shape.n_params / 1e6:.1f}M parameters)",
                   "recipe": str(RECIPE.relative_to(REPO)), "zerotune_overrides": zt_overrides(a)},
-        "trl": trl_info, "trl_label_check": label_check, "same_job_ab": ab,
+        "trl": trl_info, "trl_label_check": label_check, "same_job_ab": ab, "limits": limits,
+        "flops_per_token": fpt,
         "median": median, "ratio_vs_trainer_padded": ratios, "repeats": repeats, "notes": notes,
         "wall_s": round(time.perf_counter() - t_all, 1),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},

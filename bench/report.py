@@ -82,9 +82,9 @@ HEADLINE = (
 # What each benchmark was asked to do: runs are comparable only when these agree (timings are not settings)
 SETTINGS = {
     "train": ("seq_len", "grad_accum", "steps", "trl_steps", "warmup", "repeats", "trl_repeats", "conversations",
-              "processes", "hyper_parameters", "padded_docs_per_micro_batch"),
+              "processes", "recipe_train_section", "padded_docs_per_micro_batch", "model"),
     "data": ("conversations", "seq_len", "num_proc", "repeats"),
-    "inference": ("prompt_tokens", "new_tokens", "repeats", "prefill_pairs_per_group", "prefill_burst",
+    "inference": ("model", "prompt_tokens", "new_tokens", "repeats", "prefill_pairs_per_group", "prefill_burst",
                   "decode_pairs_per_group"),
 }
 HISTORY_ROWS = 6
@@ -159,7 +159,7 @@ def main() -> int:
     parts = [f"# `make bench` results\n\n{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, "
              f"Python {platform.python_version()}. Ratios are measured side by side in one run; absolute numbers "
              "are context only.\n"]
-    for name, title in (("train", None), ("data", None), ("inference", "## Inference (tiny model, same prompts)")):
+    for name, title in (("train", None), ("data", None), ("inference", "## Inference (SmolLM2-135M, same prompts)")):
         md = RESULTS / f"{name}.md"
         if not md.exists():
             parts.append(f"## {name}\n\nnot run (bench/bench_{name}.py did not write {md.name})\n")

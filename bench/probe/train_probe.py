@@ -4,7 +4,7 @@
 TRL's SFTTrainer) gets
 - a counting wrapper around its `compute_loss`: per micro-batch, label tokens (labels != -100), real tokens
   (attention_mask; for packed or padding-free rows without a mask, everything but a trailing padding segment,
-  recognised as a segment that does not start with BOS) and processed tokens (the input tensor);
+  recognised as a segment of one repeated id: the pad) and processed tokens (the input tensor);
 - a callback that, per optimizer step, takes the wall time between consecutive step ends (the first step from its
   start: zerotune's metrics.jsonl definition) and the CPU time of the process (`time.process_time`, all threads),
   sums the counts and CPU times over ranks, takes the max RSS (ru_maxrss) over ranks, and lets rank 0 append one
@@ -18,9 +18,6 @@ import json
 import resource
 import time
 
-BOS = 128000  # Llama-3 <|begin_of_text|>: every document starts with it, a padding segment does not
-
-
 def _real_tokens(inputs) -> int:
     ids = inputs["input_ids"]
     if inputs.get("attention_mask") is not None:
@@ -29,8 +26,10 @@ def _real_tokens(inputs) -> int:
     if inputs.get("position_ids") is not None:
         for row_ids, pos in zip(ids, inputs["position_ids"]):
             start = int((pos == 0).nonzero().max())
-            if int(row_ids[start]) != BOS:
-                real -= len(pos) - start
+            tail = row_ids[start:]
+            # a padding segment repeats the pad id; a document never is one token repeated (any tokenizer)
+            if len(tail) > 1 and bool((tail == tail[0]).all()):
+                real -= len(tail)
     return real
 
 
