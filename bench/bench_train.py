@@ -582,6 +582,7 @@ def main() -> None:
     ap.add_argument("--docs-per-micro", type=int, default=0, help="padded micro-batch in documents; 0 = match a packed row")
     ap.add_argument("--conversations", type=int, default=0, help="0 = 2x what the longest run consumes")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--limit-seconds", type=float, default=1.0, help="time per shape of the matmul-limit measurement")
     ap.add_argument("--out", default=str(BENCH / "results" / "train"))
     a = ap.parse_args()
     if a.worker:
@@ -631,7 +632,7 @@ def main() -> None:
     from zerotune.metrics import flops_per_token
     from zerotune.planner.memory import model_shape
 
-    limits = measure(base, a.seq_len, seconds=1.0)  # this machine's fp32 matmul rate at the model's shapes
+    limits = measure(base, a.seq_len, seconds=a.limit_seconds)  # this machine's fp32 matmul rate at the model's shapes
     print(f"bench_train: {describe(limits)}", flush=True)
     shape = model_shape(recipe_)
     fpt = flops_per_token(shape.n_params, shape.layers, shape.hidden, a.seq_len)

@@ -60,6 +60,22 @@ def test_bench_inference_small(tmp_path):
     assert "ratio GGUF / HF" in (tmp_path / "inference.md").read_text()
 
 
+@pytest.mark.integration
+def test_bench_train_small(tmp_path):
+    # zerotune's CLI and the padded Trainer on SmolLM2, one measured step each: the bench's own plumbing (recipe
+    # -> TrainingArguments for the baseline, the probe in both, the matmul limit) keeps working
+    _run(["bench/bench_train.py", "--configs", "zerotune,trainer_padded", "--steps", "2", "--warmup", "1",
+          "--repeats", "1", "--seq-len", "256", "--conversations", "60", "--limit-seconds", "0.1",
+          "--out", str(tmp_path / "train")])
+    res = json.loads((tmp_path / "train.json").read_text())
+    for c in ("zerotune", "trainer_padded"):
+        m = res["median"][c]
+        assert m["label_tokens_per_s"] > 0 and 0 < m["efficiency"] <= 1, m
+        assert 0 < m["of_matmul_limit_cpu_s"] < 1.5, m  # model FLOPs cannot much exceed the measured matmul rate
+    assert res["setup"]["recipe_train_section"]["lr"] == 1e-4  # the baselines' hyper-parameters: the recipe's
+    assert "of the matmul limit" in (tmp_path / "train.md").read_text()
+
+
 def test_history_compares_runs_of_the_same_settings_only(tmp_path):
     import datetime
 
