@@ -116,3 +116,35 @@ def test_finalize_gets_the_jobs_cpus(monkeypatch):
     assert job_cpus() == 1
     monkeypatch.setenv("SLURM_CPUS_ON_NODE", "4096")  # the affinity mask is the tighter bound here
     assert job_cpus() == mine
+
+
+def test_lora_finalize_in_fp16_on_cpu(tmp_path, tiny_model_dir):
+    """The GPU-run path of finalize (16-bit merge, save, reload) exercised on the CPU in fp16."""
+    import torch
+    from peft import get_peft_model
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from zerotune.peft_utils import finalize_peft, lora_config
+
+    r = load_recipe("tiny_lora", [f"output_dir={tmp_path / 'run'}", "peft.modules_to_save=[]"])
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float16),
+                           lora_config(r))
+    torch.manual_seed(0)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:  # a fresh adapter is zero in B: make it change the model like a trained one
+            p.data.normal_(0, 0.05)
+    tmp = r.out / "model.tmp"
+    model.save_pretrained(str(tmp))
+    probe = probe_inputs({"input_ids": torch.randint(0, 5000, (1, PROBE_TOKENS + 44))})
+    model.eval()
+    with torch.no_grad():
+        ref_logits = model(**probe, use_cache=False).logits.to(model_dtype("fp16"))
+    ref = {"probe": probe, "logits": ref_logits, "precision": "fp16", "trainable_params": 1}
+    report = finalize_peft(r, tmp, r.out / "model", ref, tiny_model_dir, lambda p: None)
+
+    assert report["probe_tokens"] == PROBE_TOKENS and report["top1_agreement"] == 1.0
+    assert 0 < report["merge_max_abs_logit_diff"] < 5e-2 * max(1.0, ref_logits.float().abs().max().item())
+    with safe_open(str(r.out / "model" / "model.safetensors"), "pt") as st:
+        assert {st.get_slice(k).get_dtype() for k in st.keys()} == {"F16"}, "the merged model is saved in 16-bit"
+    assert (r.out / "adapter" / "adapter_model.safetensors").exists() and not tmp.exists()

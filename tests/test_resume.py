@@ -149,6 +149,21 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
     assert_matches_reference(reference, run)
 
 
+def test_resume_at_another_world_size_fails_before_training(reference, tmp_path):
+    run = fresh(reference, tmp_path / "run", "checkpoints")  # written by 2 ZeRO-3 ranks
+    before = sorted(str(p.relative_to(run)) for p in (run / "checkpoints").rglob("*"))
+    proc = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *COMMON,
+                           "train.cpu_procs=1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ckpt = run / "checkpoints" / "checkpoint-10"
+    assert (f"zerotune: {ckpt}: this ZeRO-3 checkpoint was written by 2 processes and this run has 1; DeepSpeed "
+            "cannot repartition its optimizer state. Resume with 2 GPUs (or train.cpu_procs=2 on CPU)") in proc.stderr
+    assert proc.stderr.count("ZeRO-3 checkpoint was written by") == 1  # one message, no traceback
+    assert "Traceback" not in proc.stderr and "resuming from" not in proc.stdout
+    assert not (run / "train" / "metrics.jsonl").exists(), "no step may run"
+    assert sorted(str(p.relative_to(run)) for p in (run / "checkpoints").rglob("*")) == before
+
+
 def _nan_run(reference: Path, out: Path, fault: str, step: int, *extra: str) -> str:
     run = fresh(reference, out)
     env = {**os.environ, fault: str(step)}

@@ -42,6 +42,7 @@ def test_saved_model_is_complete_and_reloads_with_same_logits(trained):
     base = AutoModelForCausalLM.from_pretrained(str(out / "base"))
     assert m["verify"]["params"] == sum(p.numel() for p in base.parameters())
     assert m["verify"]["max_abs_logit_diff"] < 1e-3
+    assert m["verify"]["top1_agreement"] == 1.0 and m["verify"]["probe_tokens"] == 256  # verify.PROBE_TOKENS
     trained_model = AutoModelForCausalLM.from_pretrained(str(out / "model"))
     changed = [n for (n, p), (_, q) in zip(trained_model.named_parameters(), base.named_parameters())
                if not torch.equal(p, q)]

@@ -141,7 +141,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
         trained_base = AutoModelForCausalLM.from_pretrained(str(base), **kw)
         keep_4bit_layout(trained_base)  # the same kernels as in training
     else:
-        trained_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        trained_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=model_dtype(ref["precision"]))
     reloaded = _logits(PeftModel.from_pretrained(trained_base, str(tmp)), probe)
     d = compare_logits(reloaded, ref_logits)["max_abs_logit_diff"]
     tol = logit_tolerance(ref["precision"], ref_logits)
@@ -181,7 +181,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
     del merged, pm, base16  # the reload must not sit beside a second copy (8B: 16 GB each in 16-bit)
     gc.collect()
     saved = verify_saved_model(mtmp, n_base, probe, merged_logits, ref["precision"])
-    report.update(params=saved["params"], files=saved["files"], max_abs_logit_diff=saved["max_abs_logit_diff"])
+    report.update({k: saved[k] for k in ("params", "files", "max_abs_logit_diff", "top1_agreement", "probe_tokens")})
     adir = adapter_dir(r)
     shutil.rmtree(adir, ignore_errors=True)
     adir.mkdir(parents=True)

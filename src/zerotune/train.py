@@ -278,12 +278,25 @@ def worker(r: Recipe) -> None:
     model_ref = _train_and_save(r)
     if model_ref is None:
         return
+    # Module-level state that keeps the trained model (and through its hooks the Trainer) alive after training:
+    if "deepspeed.runtime.zero.parameter_offload" in sys.modules:  # the ZeRO-3 top module, appended at setup
+        sys.modules["deepspeed.runtime.zero.parameter_offload"].FWD_MODULE_STACK.clear()  # and never popped
+    if "deepspeed.runtime.zero.partitioned_param_coordinator" in sys.modules:  # an lru_cache on a method: it
+        ppc = sys.modules["deepspeed.runtime.zero.partitioned_param_coordinator"].PartitionedParameterCoordinator
+        f = getattr(ppc, "_PartitionedParameterCoordinator__params_to_release", None)  # keeps every (self,
+        for g in [f, *(c.cell_contents for c in (getattr(f, "__closure__", None) or ()))]:  # submodule) it saw;
+            if hasattr(g, "cache_clear"):  # under DeepSpeed's instrument_w_nvtx wrapper, which has no __wrapped__
+                g.cache_clear()
+    if "bitsandbytes" in sys.modules:  # paged optimizer states (bitsandbytes functional.GlobalPageManager)
+        sys.modules["bitsandbytes"].functional.GlobalPageManager.get_instance().paged_tensors.clear()
     gc.collect()  # the Trainer, DeepSpeed engine and callbacks reference each other: cycles
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    if model_ref() is not None:
-        print("train: warning: the trained model is still referenced after training; finalize runs beside it",
-              flush=True)
+    if model_ref() is None:
+        print("train: training states released; finalizing", flush=True)
+    else:  # every CPU run so far, ZeRO-3 and QLoRA alike: a reference not yet found (README, Finalize)
+        print("train: the trained model is still referenced after training (rank 0's share of the training "
+              "states stays allocated); finalizing beside it", flush=True)
     # Verify and publish in a fresh process: reloading here would run ZeRO-3 collectives, and
     # the same step must run whether torchrun was started by `zerotune train` or by sbatch.
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
