@@ -199,7 +199,6 @@ def describe_failure(exc: BaseException, ckpt_root: Path, saving_step: int | Non
                   if good else "train: no committed checkpoint yet; a rerun starts from the beginning")
 
 
-STOPPED_FILE = "stopped.json"
 REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped on a signal or the deadline; run again to resume
 # Plumbing from the launcher (slurm/finetune.sbatch), not recipe knobs:
 DEADLINE_ENV = "ZEROTUNE_DEADLINE"  # unix time the job is killed at (SLURM's end time)

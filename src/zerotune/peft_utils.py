@@ -27,7 +27,9 @@ import gc
 import shutil
 from pathlib import Path
 
+from . import manifest as mf
 from .config import Recipe
+from .layout import layout
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
@@ -104,10 +106,6 @@ def set_optim(args, r: Recipe) -> None:
         args.optim = OptimizerNames(r.peft.optim)
 
 
-def adapter_dir(r: Recipe) -> Path:
-    return r.out / "adapter"
-
-
 def _logits(model, probe):
     import torch
 
@@ -182,13 +180,14 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
     gc.collect()
     saved = verify_saved_model(mtmp, n_base, probe, merged_logits, ref["precision"])
     report.update({k: saved[k] for k in ("params", "files", "max_abs_logit_diff", "top1_agreement", "probe_tokens")})
-    adir = adapter_dir(r)
-    shutil.rmtree(adir, ignore_errors=True)
-    adir.mkdir(parents=True)
+    adir = layout(r).adapter
+    atmp = adir.with_name(adir.name + ".tmp")
+    shutil.rmtree(atmp, ignore_errors=True)
+    atmp.mkdir(parents=True)
     for f in tmp.iterdir():
         if f.name.startswith("adapter_") or f.name == "README.md":
-            shutil.copy2(f, adir / f.name)
-    shutil.rmtree(out, ignore_errors=True)
-    mtmp.rename(out)
+            shutil.copy2(f, atmp / f.name)
+    mf.publish(atmp, adir)
+    mf.publish(mtmp, out)
     shutil.rmtree(tmp, ignore_errors=True)
     return report

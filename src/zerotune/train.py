@@ -10,7 +10,6 @@ train, save a consolidated model and verify it by reloading.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -31,26 +30,6 @@ from .layout import layout
 from .verify import model_dtype, probe_inputs
 
 
-def base_model_dir(r: Recipe) -> Path:
-    """Where the model training starts from: the pretrained path, or a materialised random init."""
-    if r.model.name_or_path:
-        p = resolve_path(r.model.name_or_path)
-        return p if p.exists() else Path(r.model.name_or_path)
-    return r.out / "base"
-
-
-def final_model_dir(r: Recipe) -> Path:
-    return r.out / "model"
-
-
-def checkpoints_dir(r: Recipe) -> Path:
-    return r.out / "checkpoints"
-
-
-def staging_dir(r: Recipe) -> Path:
-    return r.out / "model.tmp"
-
-
 PROBE_FILE = "zerotune_probe.pt"
 _DIST_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"}
@@ -68,27 +47,26 @@ def finalize(r: Recipe) -> dict:
     from .verify import verify_saved_model
 
     torch.set_num_threads(job_cpus())  # CPU forwards over the reloaded model: every core the job was given
-    tmp, out = staging_dir(r), final_model_dir(r)
+    tmp, out = layout(r).model_staging, layout(r).model
     ref = torch.load(tmp / PROBE_FILE)
     if peft_utils.enabled(r):
         # adapter-only save: verify the adapter, merge it into the 16-bit base, publish adapter/ and model/
-        report = peft_utils.finalize_peft(r, tmp, out, ref, base_model_dir(r),
+        report = peft_utils.finalize_peft(r, tmp, out, ref, layout(r).base,
                                           lambda p: load_tokenizer(r).save_pretrained(p))
     else:
         report = verify_saved_model(tmp, ref["n_params"], ref["probe"], ref["logits"], ref["precision"])
         (tmp / PROBE_FILE).unlink()
         (tmp / "training_args.bin").unlink(missing_ok=True)  # pickled args: not needed to load the model
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    run = mf.read(r.out / "train" / "run.json") or {}
-    hist = [json.loads(x) for x in (r.out / "train" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        mf.publish(tmp, out)
+    run = mf.read(layout(r).run_json) or {}
+    hist = mf.read_jsonl(layout(r).metrics)
     losses = [h["loss"] for h in hist if "loss" in h]
     manifest = {"stage": "train", "recipe": r.name, "model": str(out), **run,
                 "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
                 "verify": report, "model_sha256": {f: mf.sha256(out / f) for f in report["files"]}}
-    mf.write(r.out / "train" / "manifest.json", manifest)
-    mf.write_resolved_recipe(r.out / "train", r)
-    plot_curves(r.out / "train" / "metrics.jsonl", r.out / "train" / "curves.png")
+    mf.write(layout(r).train / "manifest.json", manifest)
+    mf.write_resolved_recipe(layout(r).train, r)
+    plot_curves(layout(r).metrics, layout(r).train / "curves.png")
     losses = " -> ".join(f"{x:.4f}" if x is not None else "n/a" for x in (manifest["first_loss"], manifest["final_loss"]))
     print(f"train: done in {run.get('elapsed_s', 0):.0f}s; loss {losses}; "
           f"verified and published {out} ({report['params']:,} parameters, max |logit diff| after reload "
@@ -101,7 +79,7 @@ def materialise_base(r: Recipe) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = base_model_dir(r)
+    out = layout(r).base
     if r.model.name_or_path:
         return out
     cfg_path = resolve_path(r.model.init_config)
@@ -156,11 +134,11 @@ def launch(r: Recipe, argv: list[str], skip_preflight: bool = False) -> int:
     torchrun = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
                 "-m", "zerotune", *argv]
     print(f"train: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: torchrun {' '.join(torchrun)}", flush=True)
-    errors.clear_handoffs(r.out / "train")
+    errors.clear_handoffs(layout(r).train)
     # torchrun through errors.torchrun: on a worker's user error, its failure report stays off the terminal
     rc = subprocess.call([sys.executable, "-c", "import sys; from zerotune.errors import torchrun; torchrun(sys.argv[1:])",
-                          str(r.out / "train"), *torchrun], env=env)
-    stopped = mf.read(r.out / "train" / "stopped.json")
+                          str(layout(r).train), *torchrun], env=env)
+    stopped = mf.read(layout(r).stopped)
     if rc != 0 and stopped:
         if stopped.get("committed"):
             print(f"train: stopped on {stopped['signal']} at step {stopped['step']} with committed checkpoint "
@@ -169,13 +147,13 @@ def launch(r: Recipe, argv: list[str], skip_preflight: bool = False) -> int:
             print(f"train: stopped on {stopped['signal']} before training started, without a new checkpoint; run "
                   f"the same command again to resume from {stopped['checkpoint'] or 'the beginning'}.", flush=True)
         return 75
-    handoff = errors.read_handoff(r.out / "train") if rc != 0 else None
+    handoff = errors.read_handoff(layout(r).train) if rc != 0 else None
     if handoff:  # a worker's user error, printed once by local rank 0 unless only another rank hit it
         if not handoff["printed"]:
             print(f"zerotune: {handoff['message']}", file=sys.stderr, flush=True)
         return errors.EXIT_CODE
     if rc != 0:
-        print(f"train: the distributed job failed (exit {rc}); {final_model_dir(r)} and committed checkpoints "
+        print(f"train: the distributed job failed (exit {rc}); {layout(r).model} and committed checkpoints "
               "are untouched.", file=sys.stderr, flush=True)
     return rc
 
@@ -212,7 +190,7 @@ def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, 
     """The recipe as TrainingArguments fields; bench/bench_train.py builds its Trainer and TRL baselines from
     the same dict, so every contender trains with the same hyper-parameters."""
     return dict(
-        output_dir=str(checkpoints_dir(r)),
+        output_dir=str(layout(r).checkpoints),
         per_device_train_batch_size=r.train.micro_batch_size,
         gradient_accumulation_steps=bp.grad_accum,
         max_steps=max_steps,
@@ -317,13 +295,13 @@ def _train_and_save(r: Recipe):
     from transformers import AutoModelForCausalLM, Trainer
 
     from . import faults
-    from .checkpoint import (REQUEUE_EXIT, STOPPED_FILE, CommitCheckpoints, StopBeforeTraining, check_world_size,
+    from .checkpoint import (REQUEUE_EXIT, CommitCheckpoints, StopBeforeTraining, check_world_size,
                              describe_failure, discard_after, last_committed, step_of)
     from .evaluation import EvalDuringTraining
     from .metrics import StepMetrics, flops_per_token
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    check_world_size(last_committed(checkpoints_dir(r), quiet=True), world)  # before anything is loaded
+    check_world_size(last_committed(layout(r).checkpoints, quiet=True), world)  # before anything is loaded
     # DeepSpeed 0.19 calls this torch API on every ZeRO-3 reduce: hundreds of identical lines per run bury the log
     warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
     if r.train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
@@ -363,7 +341,7 @@ def _train_and_save(r: Recipe):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
                                     cross_entropy=False)
-    src = base_model_dir(r)
+    src = layout(r).base
     load_kw = {"dtype": model_dtype(choice.precision), **peft_utils.load_kwargs(r, gpu.capability is not None)}
     model = AutoModelForCausalLM.from_pretrained(str(src), attn_implementation=choice.attention, **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
@@ -379,7 +357,7 @@ def _train_and_save(r: Recipe):
                   f"{n_trainable:,} trainable of {n_all:,} parameters ({100 * n_trainable / n_all:.3f}%)", flush=True)
     tokens_per_step = bp.global_batch_tokens
     label_fraction = data_manifest["tokens"]["train_label"] / max(1, data_manifest["tokens"]["train_total"])
-    metrics = StepMetrics(r.out / "train" / "metrics.jsonl", tokens_per_step, label_fraction,
+    metrics = StepMetrics(layout(r).metrics, tokens_per_step, label_fraction,
                           flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
                           gpu.peak_tflops, world)
     collate = _collate_packed if r.data.packing else _make_collate_padded(data_manifest["pad_token_id"])
@@ -392,13 +370,13 @@ def _train_and_save(r: Recipe):
     metrics.watch_grads(model, check_lm_head=choice.liger and choice.precision == "fp16")
     if getattr(trainer.accelerator, "scaler", None) is not None:  # fp16 without DeepSpeed: torch's GradScaler
         trainer.accelerator.scaler = ds_config.amp_grad_scaler(bp.grad_accum, steps)
-    resume = last_committed(checkpoints_dir(r), quiet=rank != 0)
+    resume = last_committed(layout(r).checkpoints, quiet=rank != 0)
     if dist.is_initialized():
         dist.barrier()  # every rank has chosen before rank 0 removes anything
     if rank == 0:
-        (r.out / "train").mkdir(parents=True, exist_ok=True)
-        (r.out / "train" / STOPPED_FILE).unlink(missing_ok=True)
-        discard_after(checkpoints_dir(r), resume)
+        layout(r).train.mkdir(parents=True, exist_ok=True)
+        layout(r).stopped.unlink(missing_ok=True)
+        discard_after(layout(r).checkpoints, resume)
         metrics.rewind(step_of(resume) if resume else 0)
         if resume:
             print(f"train: resuming from committed checkpoint {resume}", flush=True)
@@ -411,20 +389,20 @@ def _train_and_save(r: Recipe):
         if rank == 0:
             print(f"train: {e}: stopping without a new checkpoint; a rerun resumes from "
                   f"{resume or 'the beginning'}", flush=True)
-            mf.write(r.out / "train" / STOPPED_FILE, {"step": step_of(resume) if resume else 0, "signal": stop.requested,
+            mf.write(layout(r).stopped, {"step": step_of(resume) if resume else 0, "signal": stop.requested,
                                                       "checkpoint": str(resume) if resume else None, "committed": False})
         if dist.is_initialized():
             dist.barrier()
         sys.exit(REQUEUE_EXIT)
     except Exception as e:
         # every rank says it: the rank that failed first may be the only one left to print anything
-        print(f"[rank {rank}] " + describe_failure(e, checkpoints_dir(r), commit.saving), file=sys.stderr, flush=True)
+        print(f"[rank {rank}] " + describe_failure(e, layout(r).checkpoints, commit.saving), file=sys.stderr, flush=True)
         raise
     elapsed = time.time() - t0
     if stop.stopped_at is not None:
         if rank == 0:
-            mf.write(r.out / "train" / STOPPED_FILE, {"step": stop.stopped_at, "signal": stop.reason,
-                                                      "checkpoint": str(last_committed(checkpoints_dir(r))),
+            mf.write(layout(r).stopped, {"step": stop.stopped_at, "signal": stop.reason,
+                                                      "checkpoint": str(last_committed(layout(r).checkpoints)),
                                                       "committed": True})
         if dist.is_initialized():
             dist.barrier()
@@ -436,7 +414,7 @@ def _train_and_save(r: Recipe):
         trainer.model_wrapped.eval()
         ref_logits = trainer.model_wrapped(**probe, use_cache=False).logits  # use_cache=False as finalize
         ref_logits = ref_logits.to(model_dtype(choice.precision)).cpu()
-    tmp = staging_dir(r)
+    tmp = layout(r).model_staging
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     if dist.is_initialized():
@@ -447,7 +425,7 @@ def _train_and_save(r: Recipe):
         load_tokenizer(r).save_pretrained(tmp)
         torch.save({"probe": {k: v.cpu() for k, v in probe.items()}, "logits": ref_logits, "n_params": n_params,
                     "precision": choice.precision, "trainable_params": n_trainable}, tmp / PROBE_FILE)
-        mf.write(r.out / "train" / "run.json", {
+        mf.write(layout(r).run_json, {
             "world_size": world, "device": gpu.name, "data_fingerprint": data_manifest["fingerprint"],
             "choice": {"precision": choice.precision, "attention": choice.attention, "liger": choice.liger},
             "batch": {"global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
