@@ -239,6 +239,7 @@ def main() -> None:
         gguf = Path(tmp) / "model-q8_0.gguf"
         run_converter(model_dir, "q8_0", gguf)
         gguf_bytes = gguf.stat().st_size
+        config = json.loads((model_dir / "config.json").read_text())  # model_dir may be a temporary folder
         limits = measure(model_dir, a.prompt_tokens, seconds=0.5, procs=1)  # the engines' own thread count: 1
         # gguf_aa: a second llama.cpp process on the same file, for the A/A noise floor (llama.cpp vs itself)
         workers = {e: Worker(e.removesuffix("_aa"), p, a, Path(tmp) / f"{e}.log")
@@ -269,8 +270,7 @@ def main() -> None:
            "decode_pairs_per_group": a.decodes, "cpus": os.cpu_count(),
            "threads": {e: w.info for e, w in workers.items()}, "median": med, "ratio_gguf_over_hf": ratio,
            "a_a_gguf_over_gguf": a_a, "groups": groups, "cpu_steal_per_group": steal,
-           "limits": limits, "of_limit": of_limit(med, limits, json.loads((model_dir / "config.json").read_text()),
-                                                  gguf_bytes, forward_flops_per_token)}
+           "limits": limits, "of_limit": of_limit(med, limits, config, gguf_bytes, forward_flops_per_token)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "inference.json").write_text(json.dumps(res, indent=2) + "\n")
