@@ -62,13 +62,14 @@ def test_bench_inference_small(tmp_path):
 
 @pytest.mark.integration
 def test_bench_train_small(tmp_path):
-    # zerotune's CLI and the padded Trainer on SmolLM2, one measured step each: the bench's own plumbing (recipe
-    # -> TrainingArguments for the baseline, the probe in both, the matmul limit) keeps working
-    _run(["bench/bench_train.py", "--configs", "zerotune,trainer_padded", "--steps", "2", "--warmup", "1",
-          "--repeats", "1", "--seq-len", "256", "--conversations", "60", "--limit-seconds", "0.1",
+    # the padded Trainer on SmolLM2, one measured step: the bench's own plumbing (recipe -> zerotune's prepare and
+    # TrainingArguments for the baseline, the probe, the matmul limit) keeps working; zerotune's own training runs
+    # through the same CLI in every integration test, so it is left to `make bench` here (CI budget)
+    _run(["bench/bench_train.py", "--configs", "trainer_padded", "--steps", "2", "--warmup", "1",
+          "--repeats", "1", "--seq-len", "256", "--conversations", "60", "--limit-seconds", "0.05",
           "--out", str(tmp_path / "train")])
     res = json.loads((tmp_path / "train.json").read_text())
-    for c in ("zerotune", "trainer_padded"):
+    for c in ("trainer_padded",):
         m = res["median"][c]
         assert m["label_tokens_per_s"] > 0 and 0 < m["efficiency"] <= 1, m
         assert 0 < m["of_matmul_limit_cpu_s"] < 1.5, m  # model FLOPs cannot much exceed the measured matmul rate
