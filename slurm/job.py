@@ -26,6 +26,7 @@ from zerotune.checkpoint import REQUEUE_EXIT, last_committed
 from zerotune.config import load_recipe
 from zerotune.errors import UserError, report
 from zerotune.layout import RunLayout, layout
+from zerotune.train.handoff import Stopped
 
 
 def preflight(recipe: str, overrides: list[str]) -> int:
@@ -76,23 +77,23 @@ def torchrun(run_dir: Path, argv: list[str]) -> int:
 def outcome(run_dir: Path, srun_rc: int) -> int:
     job = os.environ.get("SLURM_JOB_ID", "?")
     run = RunLayout(run_dir)
-    stopped = mf.read(run.stopped)
+    stopped = Stopped.read(run.stopped)
     no_progress = run.no_progress
-    if stopped and stopped.get("committed"):
+    if stopped and stopped.committed:
         no_progress.unlink(missing_ok=True)
-        print(f"finetune: stopped by {stopped['signal']} at step {stopped['step']}: checkpoint committed "
-              f"({stopped['checkpoint']}); requeueing job {job}, which resumes from it", flush=True)
+        print(f"finetune: stopped by {stopped.signal} at step {stopped.step}: checkpoint committed "
+              f"({stopped.checkpoint}); requeueing job {job}, which resumes from it", flush=True)
         return REQUEUE_EXIT
     if stopped:
-        start = stopped["checkpoint"] or "the beginning"
+        start = stopped.checkpoint or "the beginning"
         if (mf.read(no_progress) or {}).get("job") == job:
             # twice in a row without one step: requeueing again would loop until someone notices
-            print(f"finetune: stopped by {stopped['signal']} before training started, for the second attempt in a "
+            print(f"finetune: stopped by {stopped.signal} before training started, for the second attempt in a "
                   f"row: no new checkpoint. Not requeued: the time left after startup is shorter than the warning "
                   f"lead (--signal) or one step. Raise --time, then resubmit; it starts from {start}.", flush=True)
             return 1
         mf.write(no_progress, {"job": job})
-        print(f"finetune: stopped by {stopped['signal']} before training started: no new checkpoint; requeueing "
+        print(f"finetune: stopped by {stopped.signal} before training started: no new checkpoint; requeueing "
               f"job {job}, which starts from {start}", flush=True)
         return REQUEUE_EXIT
     no_progress.unlink(missing_ok=True)

@@ -13,7 +13,7 @@ from conftest import REPO
 pytestmark = pytest.mark.integration
 
 
-# third-party lines zerotune silences at their source (src/zerotune/quiet.py, train.py): none may come back
+# third-party lines zerotune silences at their source (src/zerotune/quiet.py, train/worker.py): none may come back
 NOISE = ["Traceback", "is deprecated", "Setting accelerator to CPU", "Gradient accumulation steps mismatch",
          "n_ctx_train (0)", "built successfully", "OMP_NUM_THREADS", "gemm_4bit_forward", "{'loss'", "'train_runtime'",
          "Writing model shards", "clean_up_tokenization_spaces"]

@@ -15,12 +15,12 @@ LLAMA8B_VOCAB = 128_256
 
 def _probe_tokens(seq_len: int) -> int:
     """The probe the worker takes from one packed row of this recipe's data.seq_len."""
-    from zerotune.train import _collate_packed
+    from zerotune.train.args import collate_packed
 
     r = load_recipe("llama8b_zero3", [f"data.seq_len={seq_len}"])
     n = r.data.seq_len
     row = {"input_ids": list(range(n)), "labels": list(range(n)), "position_ids": list(range(n))}
-    probe = probe_inputs(_collate_packed([row]))
+    probe = probe_inputs(collate_packed([row]))
     assert set(probe) == {"input_ids", "position_ids"}  # labels are not needed to get logits
     shapes = {tuple(v.shape) for v in probe.values()}
     assert len(shapes) == 1
@@ -126,6 +126,7 @@ def test_lora_finalize_in_fp16_on_cpu(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from zerotune.peft_utils import finalize_peft, lora_config
+    from zerotune.train.handoff import Probe
 
     r = load_recipe("tiny_lora", [f"output_dir={tmp_path / 'run'}", "peft.modules_to_save=[]"])
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float16),
@@ -140,7 +141,7 @@ def test_lora_finalize_in_fp16_on_cpu(tmp_path, tiny_model_dir):
     model.eval()
     with torch.no_grad():
         ref_logits = model(**probe, use_cache=False).logits.to(model_dtype("fp16"))
-    ref = {"probe": probe, "logits": ref_logits, "precision": "fp16", "trainable_params": 1}
+    ref = Probe(probe, ref_logits, n_params=0, precision="fp16", trainable_params=1)
     report = finalize_peft(r, tmp, r.out / "model", ref, tiny_model_dir, lambda p: None)
 
     assert report["probe_tokens"] == PROBE_TOKENS and report["top1_agreement"] == 1.0

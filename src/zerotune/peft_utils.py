@@ -116,8 +116,9 @@ def _logits(model, probe):
         return model(**{k: v.to(dev) for k, v in probe.items()}, use_cache=False).logits.float().cpu()
 
 
-def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokenizer_save) -> dict:
-    """Verify the saved adapter, merge it into the 16-bit base and publish adapter/ and model/."""
+def finalize_peft(r: Recipe, tmp: Path, out: Path, ref, base: Path, tokenizer_save) -> dict:
+    """Verify the saved adapter, merge it into the 16-bit base and publish adapter/ and model/.
+    `ref` is the workers' train.handoff.Probe: the trained model's logits on a short probe."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -127,9 +128,9 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
     for f in ADAPTER_FILES:
         if not (tmp / f).exists():
             raise SaveVerificationError(f"{tmp}: {f} was not written.")
-    probe, ref_logits = ref["probe"], ref["logits"]
+    probe, ref_logits = ref.probe, ref.logits
     on_gpu = torch.cuda.is_available()
-    report = {"method": r.peft.method, "trainable_params": ref.get("trainable_params")}
+    report = {"method": r.peft.method, "trainable_params": ref.trainable_params}
 
     # 1. adapter reload on the base as trained (4-bit for QLoRA) == the trained model's logits
     if r.peft.method == "qlora":
@@ -139,10 +140,10 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
         trained_base = AutoModelForCausalLM.from_pretrained(str(base), **kw)
         keep_4bit_layout(trained_base)  # the same kernels as in training
     else:
-        trained_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=model_dtype(ref["precision"]))
+        trained_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=model_dtype(ref.precision))
     reloaded = _logits(PeftModel.from_pretrained(trained_base, str(tmp)), probe)
     d = compare_logits(reloaded, ref_logits)["max_abs_logit_diff"]
-    tol = logit_tolerance(ref["precision"], ref_logits)
+    tol = logit_tolerance(ref.precision, ref_logits)
     if d > tol:
         raise SaveVerificationError(f"{tmp}: the reloaded adapter's logits differ from the trained model's by {d:.3g} "
                                     f"(tolerance {tol:.3g}).")
@@ -153,7 +154,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
         torch.cuda.empty_cache()  # the 4-bit base leaves the GPU before the 16-bit work on the CPU
 
     # 2. merge into the base loaded on the CPU in the training dtype (never into a 4-bit base)
-    dtype = model_dtype(ref["precision"])
+    dtype = model_dtype(ref.precision)
     base16 = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
     n_base = sum(p.numel() for p in base16.parameters())
     pm = PeftModel.from_pretrained(base16, str(tmp))
@@ -165,7 +166,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
     merged_logits = _logits(merged, probe)
     dm = compare_logits(merged_logits, unmerged)["max_abs_logit_diff"]
     mtol, what = ((r.peft.merge_atol, "peft.merge_atol") if dtype == torch.float32 else
-                  (logit_tolerance(ref["precision"], unmerged), f"the {ref['precision']} tolerance"))
+                  (logit_tolerance(ref.precision, unmerged), f"the {ref.precision} tolerance"))
     if dm > mtol:
         raise SaveVerificationError(f"merged model's logits differ from base + adapter by {dm:.3g} "
                                     f"({what} {mtol:.3g}).")
@@ -178,7 +179,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref: dict, base: Path, tokeni
     tokenizer_save(mtmp)
     del merged, pm, base16  # the reload must not sit beside a second copy (8B: 16 GB each in 16-bit)
     gc.collect()
-    saved = verify_saved_model(mtmp, n_base, probe, merged_logits, ref["precision"])
+    saved = verify_saved_model(mtmp, n_base, probe, merged_logits, ref.precision)
     report.update({k: saved[k] for k in ("params", "files", "max_abs_logit_diff", "top1_agreement", "probe_tokens")})
     adir = layout(r).adapter
     atmp = adir.with_name(adir.name + ".tmp")

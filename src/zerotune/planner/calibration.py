@@ -73,7 +73,7 @@ def nccl_buffer_bytes(world: int) -> int:
 def load_path_bytes(zero_init: bool, n_params: int, dtype_bytes: int) -> int:
     """GPU bytes of loading the model outside deepspeed.zero.Init.
 
-    zerotune creates TrainingArguments(deepspeed=...) before from_pretrained (train.py), so
+    zerotune creates TrainingArguments(deepspeed=...) before from_pretrained (train/worker.py), so
     transformers 5.23 modeling_utils.py:1435 (`needs_zero3_init = is_deepspeed_zero3_enabled() ...`)
     wraps construction in zero.Init and integrations/deepspeed.py:522 loads each module under
     GatheredParameters (one module gathered at a time: the estimator's 4 B x largest layer).

@@ -1,0 +1,88 @@
+"""The recipe as the Trainer's arguments, batches and step count: shared by the worker and bench/bench_train.py."""
+
+from __future__ import annotations
+
+from .. import batch as batchmod
+from .. import ds_config, hardware
+from ..config import Recipe
+from ..errors import UserError
+from ..layout import layout
+
+
+def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int) -> dict:
+    """The recipe as TrainingArguments fields; bench/bench_train.py builds its Trainer and TRL baselines from
+    the same dict, so every contender trains with the same hyper-parameters."""
+    return dict(
+        output_dir=str(layout(r).checkpoints),
+        per_device_train_batch_size=r.train.micro_batch_size,
+        gradient_accumulation_steps=bp.grad_accum,
+        max_steps=max_steps,
+        learning_rate=r.train.lr,
+        lr_scheduler_type="cosine_with_min_lr",
+        lr_scheduler_kwargs={"min_lr_rate": r.train.min_lr_ratio},
+        warmup_steps=r.train.warmup_ratio,  # transformers 5: a value below 1 is a fraction of the total steps
+        weight_decay=r.train.weight_decay,
+        adam_beta2=r.train.adam_beta2,
+        max_grad_norm=r.train.max_grad_norm,
+        fp16=choice.precision == "fp16",
+        bf16=choice.precision == "bf16",
+        activation_checkpointing=r.train.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False},
+        deepspeed=ds_config.build(r, bp, max_steps),  # fp16 loss scale from GA and the run length
+        use_cpu=not on_gpu,
+        logging_steps=r.train.logging_steps,
+        logging_nan_inf_filter=False,  # a NaN must be seen, not averaged away
+        save_strategy="steps" if r.train.save_steps > 0 else "no",
+        save_steps=r.train.save_steps if r.train.save_steps > 0 else 500,
+        save_total_limit=None,  # CommitCheckpoints rotates, after a commit: HF deletes before the new one is good
+        report_to=[] if r.train.report_to == "none" else [r.train.report_to],
+        run_name=r.name,
+        seed=r.train.seed,
+        data_seed=r.train.seed,
+        remove_unused_columns=False,
+        # unpacked: batch documents of similar length so padding stays small (packed rows are all seq_len)
+        train_sampling_strategy="random" if r.data.packing else "group_by_length",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        average_tokens_across_devices=True,
+        ddp_timeout=3600,
+    )
+
+
+def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**training_kwargs(r, bp, choice, on_gpu, max_steps))
+
+
+def total_steps(n_sequences: int, bp: batchmod.BatchPlan, r: Recipe) -> int:
+    if r.train.max_steps > 0:
+        return r.train.max_steps
+    per_epoch = n_sequences // bp.sequences_per_step
+    if per_epoch == 0:
+        raise UserError(f"the prepared data has {n_sequences} sequences, fewer than one optimizer step "
+                         f"({bp.sequences_per_step}); lower train.global_batch_tokens or add data.")
+    return max(1, int(per_epoch * r.train.epochs))
+
+
+def collate_packed(rows):
+    """Packed rows are all seq_len long: no padding, position_ids restart at each document (block-causal)."""
+    import torch
+
+    return {k: torch.tensor([row[k] for row in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
+
+
+def make_collate_padded(pad_id: int):
+    import torch
+
+    def collate(rows):
+        n = max(len(row["input_ids"]) for row in rows)
+        out = {"input_ids": [], "labels": [], "attention_mask": []}
+        for row in rows:
+            pad = n - len(row["input_ids"])
+            out["input_ids"].append(row["input_ids"] + [pad_id] * pad)
+            out["labels"].append(row["labels"] + [-100] * pad)
+            out["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+
+    return collate

@@ -1,0 +1,109 @@
+"""The parent process of `zerotune train`: check and build what the workers need, then start torchrun.
+
+slurm/job.py runs `before_launch` too, before srun starts torchrun on every node.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from .. import errors
+from .. import manifest as mf
+from ..config import Recipe, resolve_path
+from ..data.prepare import load_tokenizer, require_prepared
+from ..layout import layout
+from .handoff import Stopped
+
+
+def materialise_base(r: Recipe) -> Path:
+    """Random-init a model from `init_config` once, deterministically, with the tokenizer beside it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = layout(r).base
+    if r.model.name_or_path:
+        return out
+    cfg_path = resolve_path(r.model.init_config)
+    stamp = {"init_config_sha256": mf.sha256(cfg_path), "init_seed": r.model.init_seed}
+    if mf.read(out / "zerotune_base.json") == stamp:
+        return out
+    torch.manual_seed(r.model.init_seed)
+    config = AutoConfig.from_pretrained(cfg_path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    load_tokenizer(r).save_pretrained(tmp)
+    mf.write(tmp / "zerotune_base.json", stamp)
+    mf.publish(tmp, out)
+    print(f"train: initialised {sum(p.numel() for p in model.parameters()):,} parameters from "
+          f"{r.model.init_config} (seed {r.model.init_seed}) -> {out}")
+    return out
+
+
+def before_launch(r: Recipe, skip_preflight: bool = False) -> None:
+    """What is checked and built before any worker starts."""
+    from ..plan import disk_preflight, preflight
+
+    require_prepared(r)  # fail here, in seconds, not after the launch
+    if not skip_preflight:
+        preflight(r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)
+        disk_preflight(r, r.out)
+    materialise_base(r)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(r: Recipe, argv: list[str], skip_preflight: bool = False) -> int:
+    """Start the distributed job; returns its exit code."""
+    import torch
+
+    before_launch(r, skip_preflight)
+    n_gpu = torch.cuda.device_count()
+    nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
+    env = dict(os.environ)
+    if n_gpu == 0:
+        env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's accelerator plumbing; gloo without oneCCL
+    if nproc > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default then: stated here, it prints no banner about it
+    torchrun = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+                "-m", "zerotune", *argv]
+    print(f"train: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: torchrun {' '.join(torchrun)}", flush=True)
+    errors.clear_handoffs(layout(r).train)
+    # torchrun through errors.torchrun: on a worker's user error, its failure report stays off the terminal
+    rc = subprocess.call([sys.executable, "-c", "import sys; from zerotune.errors import torchrun; torchrun(sys.argv[1:])",
+                          str(layout(r).train), *torchrun], env=env)
+    return _outcome(r, rc)
+
+
+def _outcome(r: Recipe, rc: int) -> int:
+    """What the workers' exit means, in one line: stopped (REQUEUE_EXIT: run again to resume), a user error (2), a failure."""
+    from ..checkpoint import REQUEUE_EXIT
+
+    stopped = Stopped.read(layout(r).stopped)
+    if rc != 0 and stopped:
+        if stopped.committed:
+            print(f"train: stopped on {stopped.signal} at step {stopped.step} with committed checkpoint "
+                  f"{stopped.checkpoint}; run the same command again to resume.", flush=True)
+        else:
+            print(f"train: stopped on {stopped.signal} before training started, without a new checkpoint; run "
+                  f"the same command again to resume from {stopped.checkpoint or 'the beginning'}.", flush=True)
+        return REQUEUE_EXIT
+    handoff = errors.read_handoff(layout(r).train) if rc != 0 else None
+    if handoff:  # a worker's user error, printed once by local rank 0 unless only another rank hit it
+        if not handoff["printed"]:
+            print(f"zerotune: {handoff['message']}", file=sys.stderr, flush=True)
+        return errors.EXIT_CODE
+    if rc != 0:
+        print(f"train: the distributed job failed (exit {rc}); {layout(r).model} and committed checkpoints "
+              "are untouched.", file=sys.stderr, flush=True)
+    return rc

@@ -1,0 +1,294 @@
+"""Every rank's process under torchrun: set up, load, train, save; then rank 0 hands over to finalize.
+
+Read `worker` first: it is the whole run in named steps. TrainingArguments (with the DeepSpeed config)
+exist *before* the model, so ZeRO-3 shards the weights while they load (zero.Init).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+
+from .. import batch as batchmod
+from .. import hardware, peft_utils, quiet
+from ..config import Recipe
+from ..data.prepare import load_tokenizer, require_prepared
+from ..layout import layout
+from ..verify import model_dtype, probe_inputs
+from .args import collate_packed, make_collate_padded, total_steps, training_arguments
+from .handoff import Probe, RunRecord, Stopped
+
+_DIST_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"}
+
+
+def worker(r: Recipe) -> None:
+    """Train and save on every rank; then the other ranks exit and rank 0, with the trainer freed, runs finalize.
+
+    Finalize runs without any collective, so no rank waits in a barrier (ddp_timeout) while it reloads and
+    checks the model, and the GPU and host memory of the training states is released first (a QLoRA
+    finalize reloads the 4-bit base on the same GPU; an optimizer offload pins host RAM)."""
+    import weakref
+
+    from ..checkpoint import StopOnSignal
+
+    stop = StopOnSignal()  # first: a SIGUSR1 while loading must be remembered, not kill the process
+    run = setup(r)
+    model, n_params, n_trainable = load_model(r, run)
+    trainer, metrics, commit = build_trainer(r, run, model, n_params, stop)
+    resume = choose_resume(r, run, metrics)
+    elapsed = train_or_stop(r, run, trainer, stop, commit, resume)
+    save_for_finalize(r, run, trainer, n_params, n_trainable, elapsed)
+    finalizes = run.rank == 0
+    model_ref = weakref.ref(model)
+    del run, model, trainer, metrics, commit  # what this function holds of training; the rest: release_training_states
+    if finalizes:
+        release_training_states(model_ref)
+        start_finalize()
+
+
+@dataclass
+class Run:
+    """What every step of the worker shares: this rank, the hardware choice, the batch plan and the data."""
+    rank: int
+    world: int
+    gpu: hardware.GPU
+    choice: hardware.Choice
+    bp: batchmod.BatchPlan
+    data_manifest: dict
+    train_ds: object  # datasets.Dataset
+    steps: int
+    args: object  # transformers.TrainingArguments
+    collate: object
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpu.capability is not None
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"train: {msg}", flush=True)
+
+
+def setup(r: Recipe) -> Run:
+    """World size, hardware choice, batch plan, data and TrainingArguments; the process group under DeepSpeed."""
+    import torch
+    from datasets import load_from_disk
+
+    from ..checkpoint import check_world_size, last_committed
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    check_world_size(last_committed(layout(r).checkpoints, quiet=True), world)  # before anything is loaded
+    # DeepSpeed 0.19 calls this torch API on every ZeRO-3 reduce: hundreds of identical lines per run bury the log
+    warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
+    if r.train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")  # log locally; `wandb sync` later. Keys never printed.
+        if rank == 0:
+            print("train: WANDB_API_KEY not set: wandb logs offline to ./wandb", flush=True)
+    gpu = hardware.detect()
+    choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger)
+    data_manifest = require_prepared(r)
+    bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
+    train_ds = load_from_disk(str(layout(r).data / "train"))
+    steps = total_steps(len(train_ds), bp, r)
+    args = training_arguments(r, bp, choice, gpu.capability is not None, steps)  # before the model: zero.Init
+    if peft_utils.enabled(r):
+        peft_utils.set_optim(args, r)
+    if args.deepspeed:
+        # zero.Init (inside from_pretrained) reads the world size from deepspeed.comm, which the Trainer
+        # does not set up under use_cpu=True: without this it sees world 1 and rejects the batch config.
+        import deepspeed
+        with quiet.drop_stdout_lines("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"):
+            deepspeed.init_distributed(dist_backend="gloo" if gpu.capability is None else "nccl")
+        # accelerate's plugin says GA 1 under DeepSpeed and takes the config's: harmless when that is ours
+        quiet.drop_log("accelerate.accelerator", f"GradientAccumulationPlugin has 1, DeepSpeed config has {bp.grad_accum}.")
+    collate = collate_packed if r.data.packing else make_collate_padded(data_manifest["pad_token_id"])
+    run = Run(rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate)
+
+    run.say(f"{gpu.name}, world size {world}, {choice.describe()}; " + "; ".join(choice.reasons))
+    if run.on_gpu:  # a wheel without this GPU's sm fails at its first kernel
+        run.say(f"torch {torch.__version__} (CUDA {torch.version.cuda}) kernels for {torch.cuda.get_arch_list()}")
+    run.say(f"{bp.describe()}; {steps} optimizer steps ({len(train_ds)} sequences, {bp.sequences_per_step} per step)")
+    if args.deepspeed:
+        zero = args.hf_deepspeed_config.config.get("zero_optimization", {})
+        run.say(f"DeepSpeed ZeRO stage {zero.get('stage')} with world size {world}")
+    return run
+
+
+def load_model(r: Recipe, run: Run):
+    """The base model, sharded at load under ZeRO-3, Liger-patched where chosen, PEFT-wrapped for a PEFT recipe.
+    Returns (model, parameters, trainable parameters or None)."""
+    from transformers import AutoModelForCausalLM
+
+    if run.choice.liger:
+        # Patch the model classes before instantiation: Liger's fused linear cross entropy then runs
+        # inside LlamaForCausalLM.forward, where ZeRO-3 has gathered lm_head (trl #3368, Liger #1048).
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
+                                    cross_entropy=False)
+    load_kw = {"dtype": model_dtype(run.choice.precision), **peft_utils.load_kwargs(r, run.on_gpu)}
+    model = AutoModelForCausalLM.from_pretrained(str(layout(r).base), attn_implementation=run.choice.attention,
+                                                 **load_kw)
+    model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
+    n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())  # ZeRO-3 shards
+    n_trainable = None
+    if peft_utils.enabled(r):
+        model, n_trainable, n_all = peft_utils.wrap(model, r)
+        run.say(f"peft {r.peft.method} r={r.peft.r} alpha={r.peft.alpha} on {r.peft.target_modules}"
+                f"{' + full ' + str(r.peft.modules_to_save) if r.peft.modules_to_save else ''}: "
+                f"{n_trainable:,} trainable of {n_all:,} parameters ({100 * n_trainable / n_all:.3f}%)")
+    return model, n_params, n_trainable
+
+
+def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
+    """The Trainer with zerotune's callbacks: metrics, evaluation during training, signals, committed checkpoints,
+    fault injection for tests. Returns (trainer, metrics callback, commit callback)."""
+    from transformers import Trainer
+
+    from .. import ds_config, faults
+    from ..checkpoint import CommitCheckpoints
+    from ..evaluation import EvalDuringTraining
+    from ..metrics import StepMetrics, flops_per_token
+
+    cfg = model.config
+    tokens = run.data_manifest["tokens"]
+    metrics = StepMetrics(layout(r).metrics, run.bp.global_batch_tokens, tokens["train_label"] / max(1, tokens["train_total"]),
+                          flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
+                          run.gpu.peak_tflops, run.world)
+    commit = CommitCheckpoints(r.train.save_total_limit)
+    trainer = Trainer(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
+                      callbacks=[metrics, EvalDuringTraining(r, metrics), stop, commit, *faults.callbacks(model)])
+    metrics.attach(trainer)
+    metrics.count_labels(model)
+    # fp16 underflow at large GA shows as zero gradient elements; Liger fp16 lm_head grads can overflow unscaled
+    metrics.watch_grads(model, check_lm_head=run.choice.liger and run.choice.precision == "fp16")
+    if getattr(trainer.accelerator, "scaler", None) is not None:  # fp16 without DeepSpeed: torch's GradScaler
+        trainer.accelerator.scaler = ds_config.amp_grad_scaler(run.bp.grad_accum, run.steps)
+    return trainer, metrics, commit
+
+
+def choose_resume(r: Recipe, run: Run, metrics):
+    """The newest committed checkpoint (None: from the start); rank 0 drops later checkpoints and metric rows."""
+    from ..checkpoint import discard_after, last_committed, step_of
+
+    resume = last_committed(layout(r).checkpoints, quiet=run.rank != 0)
+    run.barrier()  # every rank has chosen before rank 0 removes anything
+    if run.rank == 0:
+        layout(r).train.mkdir(parents=True, exist_ok=True)
+        layout(r).stopped.unlink(missing_ok=True)
+        discard_after(layout(r).checkpoints, resume)
+        metrics.rewind(step_of(resume) if resume else 0)
+        if resume:
+            run.say(f"resuming from committed checkpoint {resume}")
+    run.barrier()
+    return resume
+
+
+def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
+    """trainer.train; returns the seconds it took. A signal or the deadline ends the process here with
+    REQUEUE_EXIT after writing stopped.json (a committed checkpoint, or none before the first step)."""
+    from ..checkpoint import REQUEUE_EXIT, StopBeforeTraining, describe_failure, last_committed, step_of
+
+    t0 = time.time()
+    try:
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except StopBeforeTraining as e:
+        run.say(f"{e}: stopping without a new checkpoint; a rerun resumes from {resume or 'the beginning'}")
+        if run.rank == 0:
+            Stopped(step_of(resume) if resume else 0, stop.requested, str(resume) if resume else None,
+                    committed=False).write(layout(r).stopped)
+        run.barrier()
+        sys.exit(REQUEUE_EXIT)
+    except Exception as e:
+        # every rank says it: the rank that failed first may be the only one left to print anything
+        print(f"[rank {run.rank}] " + describe_failure(e, layout(r).checkpoints, commit.saving), file=sys.stderr,
+              flush=True)
+        raise
+    if stop.stopped_at is not None:
+        if run.rank == 0:
+            Stopped(stop.stopped_at, stop.reason, str(last_committed(layout(r).checkpoints)),
+                    committed=True).write(layout(r).stopped)
+        run.barrier()
+        sys.exit(REQUEUE_EXIT)
+    return time.time() - t0
+
+
+def save_for_finalize(r: Recipe, run: Run, trainer, n_params: int, n_trainable: int | None, elapsed: float) -> None:
+    """The consolidated save into model.tmp/ with the handoff finalize needs (Probe, RunRecord); the last collective."""
+    import torch
+    import torch.distributed as dist
+
+    # a short prefix of one row, logits kept in the training dtype: size bounded whatever seq_len (verify.py)
+    probe = {k: v.to(run.args.device) for k, v in probe_inputs(run.collate([run.train_ds[0]])).items()}
+    with torch.no_grad():
+        trainer.model_wrapped.eval()
+        ref_logits = trainer.model_wrapped(**probe, use_cache=False).logits  # use_cache=False as finalize
+        ref_logits = ref_logits.to(model_dtype(run.choice.precision)).cpu()
+    tmp = layout(r).model_staging
+    if run.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    run.barrier()
+    trainer.save_model(str(tmp))  # ZeRO-3: gathers the 16-bit weights into one consolidated file on rank 0
+    # (peft: save_model writes only the adapter; finalize merges it into the 16-bit base)
+    if run.rank == 0:
+        load_tokenizer(r).save_pretrained(tmp)
+        Probe({k: v.cpu() for k, v in probe.items()}, ref_logits, n_params, run.choice.precision,
+              n_trainable).save(tmp)
+        bp = run.bp
+        RunRecord(world_size=run.world, device=run.gpu.name, data_fingerprint=run.data_manifest["fingerprint"],
+                  choice={"precision": run.choice.precision, "attention": run.choice.attention,
+                          "liger": run.choice.liger},
+                  batch={"global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
+                         "micro_batch_size": bp.micro_batch_size, "grad_accum": bp.grad_accum},
+                  steps=run.steps, elapsed_s=round(elapsed, 1), base=str(layout(r).base)).write(layout(r).run_json)
+    if dist.is_initialized():
+        dist.barrier()  # the last collective: every rank has saved, rank 0 has written the probe
+        dist.destroy_process_group()
+
+
+def release_training_states(model_ref) -> None:
+    """Drop what keeps the trained model (and through its hooks the Trainer) alive after training, so finalize
+    does not run beside rank 0's share of the training states."""
+    import gc
+
+    import torch
+
+    if "deepspeed.runtime.zero.parameter_offload" in sys.modules:  # the ZeRO-3 top module, appended at setup
+        sys.modules["deepspeed.runtime.zero.parameter_offload"].FWD_MODULE_STACK.clear()  # and never popped
+    if "deepspeed.runtime.zero.partitioned_param_coordinator" in sys.modules:  # an lru_cache on a method: it
+        ppc = sys.modules["deepspeed.runtime.zero.partitioned_param_coordinator"].PartitionedParameterCoordinator
+        f = getattr(ppc, "_PartitionedParameterCoordinator__params_to_release", None)  # keeps every (self,
+        for g in [f, *(c.cell_contents for c in (getattr(f, "__closure__", None) or ()))]:  # submodule) it saw;
+            if hasattr(g, "cache_clear"):  # under DeepSpeed's instrument_w_nvtx wrapper, which has no __wrapped__
+                g.cache_clear()
+    if "bitsandbytes" in sys.modules:  # paged optimizer states (bitsandbytes functional.GlobalPageManager)
+        sys.modules["bitsandbytes"].functional.GlobalPageManager.get_instance().paged_tensors.clear()
+    gc.collect()  # the Trainer, DeepSpeed engine and callbacks reference each other: cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if model_ref() is None:
+        print("train: training states released; finalizing", flush=True)
+    else:  # every CPU run so far, ZeRO-3 and QLoRA alike: a reference not yet found (README, Finalize)
+        print("train: the trained model is still referenced after training (rank 0's share of the training "
+              "states stays allocated); finalizing beside it", flush=True)
+
+
+def start_finalize() -> None:
+    """Verify and publish in a fresh process: reloading here would run ZeRO-3 collectives, and the same step
+    must run whether torchrun was started by `zerotune train` or by sbatch."""
+    from .finalize import job_cpus
+
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
+    env["OMP_NUM_THREADS"] = str(job_cpus())  # the launcher set 1 per training rank; finalize is alone now
+    subprocess.check_call([sys.executable, "-m", "zerotune", *sys.argv[1:], "--finalize"], env=env)
