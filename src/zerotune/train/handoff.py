@@ -43,8 +43,20 @@ class Probe:
         (Path(folder) / PROBE_FILE).unlink(missing_ok=True)
 
 
+class _JsonFile:
+    """A dataclass written as one JSON file (atomically) and read back as the same type; None when absent."""
+
+    def write(self, path: Path) -> None:
+        mf.write(path, asdict(self))
+
+    @classmethod
+    def read(cls, path: Path):
+        d = mf.read(path)
+        return cls(**d) if d else None
+
+
 @dataclass
-class RunRecord:
+class RunRecord(_JsonFile):
     """How the run trained; finalize copies it into train/manifest.json."""
     world_size: int
     device: str
@@ -55,28 +67,12 @@ class RunRecord:
     elapsed_s: float
     base: str
 
-    def write(self, path: Path) -> None:
-        mf.write(path, asdict(self))
-
-    @classmethod
-    def read(cls, path: Path) -> RunRecord | None:
-        d = mf.read(path)
-        return cls(**d) if d else None
-
 
 @dataclass
-class Stopped:
+class Stopped(_JsonFile):
     """The workers stopped before the last step: a signal or the job's deadline (committed=True: a checkpoint
     was committed at `step`), or a signal before the first step (committed=False: nothing new saved)."""
     step: int
     signal: str
     checkpoint: str | None
     committed: bool
-
-    def write(self, path: Path) -> None:
-        mf.write(path, asdict(self))
-
-    @classmethod
-    def read(cls, path: Path) -> Stopped | None:
-        d = mf.read(path)
-        return cls(**d) if d else None
