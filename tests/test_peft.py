@@ -135,6 +135,7 @@ def test_qlora_on_two_processes_equals_one(tmp_path):
         log = zt("train", "tiny_qlora", f"output_dir={out}", f"train.cpu_procs={procs}", "train.max_steps=3",
                  "train.logging_steps=1", "--skip-preflight").stdout
         assert f"world {procs} x grad-accum {4 // procs}" in log
+        assert "train: training states released (" in log  # issue 19: zerotune's gradient hooks held the model
         runs[procs] = metrics(out)
     for a, b in zip(runs[1], runs[2]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)

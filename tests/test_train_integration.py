@@ -24,6 +24,14 @@ def test_zero3_world_size_2_is_in_the_log(trained):
     assert "grad-accum 2" in log
 
 
+def test_rank0_frees_the_training_states_before_finalize(trained):
+    """Issue 19: once training is over nothing keeps rank 0's model alive beside finalize (ZeRO-3's gradient hooks
+    held it from C++, where gc cannot see, until engine.destroy(); then DeepSpeed's module globals)."""
+    _, log = trained
+    assert "train: training states released (rank 0 RSS " in log, log[-3000:]
+    assert "still referenced" not in log
+
+
 def test_loss_falls(trained):
     out, _ = trained
     rows = metrics(out)

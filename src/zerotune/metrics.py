@@ -99,6 +99,7 @@ class StepMetrics(TrainerCallback):
         self.world = world_size
         self.max_overflows = max_overflows_at_min_scale
         self.trainer = None
+        self._hooks: list = []  # handles of the hooks this callback put on the model: detach() removes them
         self._t0 = None
         self._overflows_at_min = 0
         self._labels = None  # label tokens seen this step on this rank (a tensor: no sync per micro-batch)
@@ -116,6 +117,14 @@ class StepMetrics(TrainerCallback):
         self.trainer = trainer
         trainer.remove_callback(PrinterCallback)
 
+    def detach(self) -> None:
+        """After training: remove the hooks and forget the Trainer. A hook on a parameter that C++ keeps alive
+        (QLoRA, issue 19) would otherwise hold this callback, hence the Trainer and the trained model."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.trainer = None
+
     def count_labels(self, model) -> None:
         """Count the label tokens each micro-batch really carries (the data set's average fraction misleads on
         short runs: a 1,024-token packed row held 611 to 921 label tokens in the benchmark)."""
@@ -125,7 +134,7 @@ class StepMetrics(TrainerCallback):
                 n = (labels != -100).sum()
                 self._labels = n if self._labels is None else self._labels + n
 
-        model.register_forward_pre_hook(hook, with_kwargs=True)
+        self._hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True))
         self.counting = True
 
     def watch_grads(self, model, n_params: int = 4, check_lm_head: bool = False) -> None:
@@ -162,10 +171,10 @@ class StepMetrics(TrainerCallback):
                 self._head_bad = bad if self._head_bad is None else self._head_bad + bad
                 return g
 
-            head.weight.register_hook(head_hook)
+            self._hooks.append(head.weight.register_hook(head_hook))
             self.checking_head = True
         for p in dict.fromkeys(picked):  # a short model may pick one parameter twice
-            p.register_hook(hook)
+            self._hooks.append(p.register_hook(hook))
         self.watching_grads = True
 
     def rewind(self, step: int) -> None:
