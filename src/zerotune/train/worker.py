@@ -309,8 +309,8 @@ def _rss_gb() -> float | None:
 
 
 def _malloc_trim() -> None:
-    """glibc keeps freed heap pages mapped in this process (measured on the tiny QLoRA run: RSS unchanged
-    after the model was freed, 139 MB less after malloc_trim); hand them back for the finalize child."""
+    """glibc keeps freed heap pages mapped in this process; hand them back for the finalize child (SmolLM2 on 2
+    CPU ranks, rank 0: 2.96 GB at the handoff, 2.07 GB after malloc_trim alone, 0.75 GB after the release)."""
     import ctypes
     import ctypes.util
 
