@@ -147,10 +147,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
-    ap.add_argument("--trl-steps", type=int, default=3,
+    ap.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
+    ap.add_argument("--trl-steps", type=int, default=4,
                     help="optimizer steps per TRL run (its CPU loss path makes a step ~3-4x as long)")
-    ap.add_argument("--warmup", type=int, default=1, help="first steps not measured")
+    # 2: ZeRO-3 records its parameter trace in step 1 and, in step 2 (the first with a complete trace), fills
+    # DeepSpeed's lru_cache of which parameters to release with a scan that is quadratic in the traced modules
+    # (+3 CPU-s per rank for full fine-tuning, +29 for LoRA on SmolLM2, once per run: bench/README.md)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps not measured")
     ap.add_argument("--ab-steps", type=int, default=0,
                     help="steps of the same-job A/B diagnostic (packed and padded batches alternating); 0 = skip")
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats of zerotune and the padded Trainer")
