@@ -3,6 +3,7 @@
 
 import pytest
 
+from zerotune import ds_config
 from zerotune.config import RECIPES_DIR, RecipeError, apply_overrides, from_dict, load_recipe
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
@@ -47,6 +48,12 @@ def test_overrides_from_the_command_line():
         load_recipe("tiny", ["data.sequence_len=128"])
     with pytest.raises(RecipeError, match="unknown section 'tran'"):
         apply_overrides({}, ["tran.lr=1"])
+    # deeper than section.key: into a mapping field (what `zerotune plan` suggests for offload)
+    r = load_recipe("llama8b_zero3", ["train.zero.offload_optimizer={device: cpu}", "train.zero.sub_group_size=1e8"])
+    zero = ds_config.build(r)["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu"} and zero["sub_group_size"] == 100_000_000  # not '1e8'
+    with pytest.raises(RecipeError, match="'train.lr' is a single value, not a mapping"):
+        load_recipe("tiny", ["train.lr.x=1"])
 
 
 def test_missing_recipe_suggests_a_name():

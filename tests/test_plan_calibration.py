@@ -15,7 +15,7 @@ import pytest
 
 from zerotune.config import REPO_ROOT
 from zerotune.planner import calibration as cal
-from zerotune.planner.memory import GiB, _shape_from_config, memory_breakdown
+from zerotune.planner.memory import GiB, _shape_from_config, memory_breakdown, offload_handoff_bytes
 
 MiB = 2 ** 20
 TOL, FLOOR = 0.10, 0.05  # issue 19: within +-10%, never below by more than 5%
@@ -78,8 +78,23 @@ def test_load_path_counts_only_without_zero_init():
     assert cal.views(10 * GiB, extra)["reserved"] >= 16_060_522_496  # nebuly-ai/optimate#242: CA 13.8 GB, MA 1 GB
 
 
-def test_offload_keeps_no_optimizer_buffers_on_gpu():
-    assert cal.offload_pinned_gpu_bytes(True) == 0
+def test_offload_handoff_from_deepspeed_source():
+    # 8B over 4 GPUs: the embedding's partition (525,336,576 / 4) passes through the GPU as an fp32
+    # partition, an fp32 copy of the pinned buffer and an fp64 norm temporary: 16 B per element.
+    m = _shape_from_config(str(MODELS["8b"]))
+    off = {**ZERO3, "offload_optimizer": {"device": "cpu"}}
+    assert offload_handoff_bytes(m, off, 4, accum_bytes=4) == 16 * 131_334_144
+    assert offload_handoff_bytes(m, off, 4, accum_bytes=2) == 12 * 131_334_144
+    assert offload_handoff_bytes(m, ZERO3, 4, accum_bytes=4) == 0  # no offload: grads stay in GPU partitions
+    # It raises the peak only by what exceeds the activations and logits it outlives: at 16K tokens (the
+    # offload recipe) they dwarf it, at 512 tokens it sets the peak.
+    long = memory_breakdown(m, seq=16384, micro=1, precision="fp16", attention="sdpa", liger=True,
+                            checkpointing=True, packing=True, zero=off, gpus_per_node=4, nodes=1,
+                            grad_accum_bytes=4)
+    assert "offload grad hand-off (end of backward)" not in long["parts"]
+    short = _issue_config("8b", 4, True)
+    assert short["parts"]["offload grad hand-off (end of backward)"] > 0
+    assert sum(short["parts"].values()) == short["peak"]
 
 
 def test_cpu_target_keeps_its_margin_and_has_no_gpu_terms():
@@ -110,7 +125,7 @@ def _issue_config(model, gpus, offload):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return memory_breakdown(_shape_from_config(str(MODELS[model])), seq=512, micro=1, precision="fp16",
                             attention="sdpa", liger=False, checkpointing=True, packing=False, zero=zero,
-                            gpus_per_node=gpus, nodes=1, gpu_is_cuda=True)
+                            gpus_per_node=gpus, nodes=1, gpu_is_cuda=True, grad_accum_bytes=4)  # zero3.json: fp32
 
 
 def test_llama32_1b_config_is_the_public_one():
@@ -135,12 +150,11 @@ def test_issue19_8b_8gpu_stays_in_range():
     assert m["peak"] / GiB <= 21.78 * (1 + TOL)
 
 
-@pytest.mark.xfail(strict=True, reason="8B + optimizer offload on 4 GPUs: issue 19's measurement is ~1.5x the old "
-                   "7.64 GiB; the source-backed terms reach 1.34x. No DeepSpeed 0.19.8 GPU buffer under offload "
-                   "explains the rest (stage3.py:333/791 put the grad partitions on the host).")
 def test_issue19_8b_offload_4gpu_meets_goal():
+    # "about a third" below the old 7.64 GiB: the measurement lies near 7.64 / (1 - 1/3) = 11.46 GiB. Without
+    # the end-of-backward offload hand-off (offload_handoff_bytes) the planner reached 10.2 GiB (11% low).
     smi = _issue_config("8b", 4, True)["views"]["nvidia_smi"] / GiB
-    assert smi >= (1 - FLOOR) * 7.64 / (1 - 1 / 3)
+    assert within_goal(smi, 7.64 / (1 - 1 / 3))
 
 
 def test_views_order_and_breakdown_sum():

@@ -303,12 +303,17 @@ def apply_overrides(raw: dict, overrides: list[str], where: str = "override") ->
             raise RecipeError(f"{where} '{ov}': expected section.key=value, e.g. train.lr=1e-4.")
         key, value = ov.split("=", 1)
         parts = key.split(".")
+        if len(parts) > 1 and parts[0] not in SECTIONS:
+            raise RecipeError(f"{where} '{ov}': unknown section '{parts[0]}'.{_suggest(parts[0], SECTIONS)}")
         node = raw
-        for part in parts[:-1]:
-            if part not in SECTIONS:
-                raise RecipeError(f"{where} '{ov}': unknown section '{part}'.{_suggest(part, SECTIONS)}")
-            node = node.setdefault(part, {}) or {}
-            raw[part] = node if node is not None else {}
+        for depth, part in enumerate(parts[:-1]):  # deeper than section.key: into a mapping (train.zero.<key>)
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise RecipeError(f"{where} '{ov}': '{'.'.join(parts[:depth + 1])}' is a single value, not a "
+                                  f"mapping; set it as {'.'.join(parts[:depth + 1])}=<value>.")
+            node = child
         node[parts[-1]] = yaml.safe_load(value) if value != "" else None
     return raw
 

@@ -56,7 +56,7 @@ def build(r: Recipe, bp=None, steps: int | None = None) -> dict | None:
     except json.JSONDecodeError as e:
         raise UserError(f"train.deepspeed: {path} line {e.lineno}: not valid JSON ({e.msg}).") from None
     zero = copy.deepcopy(cfg.get("zero_optimization", {}))
-    for key, value in r.train.zero.items():
+    for key, value in _numbers(r.train.zero).items():
         if isinstance(value, dict) and isinstance(zero.get(key), dict):
             zero[key] = {**zero[key], **value}
         else:
@@ -71,6 +71,19 @@ def build(r: Recipe, bp=None, steps: int | None = None) -> dict | None:
         if fp16.get("loss_scale_window") == "auto":
             fp16["loss_scale_window"] = window
     return cfg
+
+
+def _numbers(v):
+    """PyYAML reads `1e8` (no dot) as the string '1e8'; DeepSpeed's config wants the number."""
+    if isinstance(v, dict):
+        return {k: _numbers(x) for k, x in v.items()}
+    if isinstance(v, str) and v.strip().lower() not in ("nan", "inf", "-inf", "infinity"):
+        try:
+            f = float(v)
+        except ValueError:
+            return v
+        return int(f) if f.is_integer() else f
+    return v
 
 
 def amp_grad_scaler(grad_accum: int, steps: int | None, device: str = "cuda"):

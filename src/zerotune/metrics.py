@@ -188,6 +188,12 @@ class StepMetrics(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kw):
         if state.is_world_process_zero:
+            eng = self._engine()
+            if eng is not None and eng.zero_use_cpu_optimizer():
+                # accelerate replaces the Trainer's torch AdamW with DeepSpeed's CPU Adam under offload
+                # (accelerator.py, map_pytorch_optim_to_deepspeed): say which one steps the weights
+                print(f"train: optimizer offloaded to the CPU: {type(eng.basic_optimizer).__name__} steps the fp32 "
+                      f"master weights and Adam moments in host RAM", flush=True)
             self.progress = Progress(state.max_steps, state.global_step, self.tokens_per_step)
 
     def on_train_end(self, args, state, control, **kw):

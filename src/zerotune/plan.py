@@ -48,12 +48,18 @@ def _capacity_bytes(r: Recipe, g: hardware.GPU, gpus_per_node: int) -> int:
     return int(g.memory_gib * GiB)
 
 
-def _memory(r, shape, choice, zero, seq, micro, gpus_per_node, nodes, g):
+def _grad_accum_bytes(ds: dict | None) -> int | None:
+    """DeepSpeed's gradient accumulation dtype (data_types.grad_accum_dtype; None: the model's)."""
+    return {"fp32": 4, "fp16": 2, "bf16": 2}.get(((ds or {}).get("data_types") or {}).get("grad_accum_dtype"))
+
+
+def _memory(r, shape, choice, zero, seq, micro, gpus_per_node, nodes, g, accum=None):
     return memory_breakdown(shape, seq=seq, micro=micro, precision=choice.precision, attention=choice.attention,
                             liger=choice.liger, checkpointing=r.train.gradient_checkpointing,
                             packing=r.data.packing, zero=zero, gpus_per_node=gpus_per_node, nodes=nodes,
                             gpu_is_cuda=g.capability is not None, peft=_peft(r, shape), capability=g.capability,
-                            lm_head_trainable=r.peft.method == "none" or "lm_head" in r.peft.modules_to_save)
+                            lm_head_trainable=r.peft.method == "none" or "lm_head" in r.peft.modules_to_save,
+                            grad_accum_bytes=accum)
 
 
 def _peft(r: Recipe, shape):
@@ -181,11 +187,12 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     choice = hardware.choose(g, r.train.precision, r.train.attention, r.train.liger, fa2_installed=fa2)
     ds = ds_config.build(r)
     zero = ds.get("zero_optimization") if ds else None
+    accum = _grad_accum_bytes(ds)
     capacity = _capacity_bytes(r, g, gpn)
     docs = _doc_lengths(r)
 
     def fits(seq, micro):
-        mem = _memory(r, shape, choice, zero, seq, micro, gpn, nn, g)
+        mem = _memory(r, shape, choice, zero, seq, micro, gpn, nn, g, accum)
         return mem, mem["peak"] <= capacity
 
     own_mem, own_fits = fits(r.data.seq_len, r.train.micro_batch_size)
@@ -219,7 +226,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     rec = (min(cands, key=lambda o: (o["flops_per_step"], not o["recipe"], -o["micro_batch_size"], -o["seq_len"]))
            if cands else max(fitting, key=lambda o: (o["seq_len"], o["micro_batch_size"])) if fitting else None)
 
-    suggestions = [] if rec else _suggestions(r, shape, choice, zero, gpn, nn, g, capacity)
+    suggestions = [] if rec else _suggestions(r, shape, choice, zero, gpn, nn, g, capacity, accum)
     time = _step_time(r, shape, g, gpu_name, r.data.seq_len, world, r.train.micro_batch_size, choice.attention, docs)
     data = _data_steps(r)
     warnings = []
@@ -261,13 +268,13 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     }
 
 
-def _suggestions(r, shape, choice, zero, gpn, nn, g, capacity) -> list[str]:
+def _suggestions(r, shape, choice, zero, gpn, nn, g, capacity, accum=None) -> list[str]:
     """Nothing fits: try the usual switches one at a time at the recipe's seq_len, report which work."""
     seq, micro = r.data.seq_len, 1
     out = []
 
     def peak(ch=choice, z=zero, s=seq, n=gpn):
-        return _memory(r, shape, ch, z, s, micro, n, nn, g)["peak"]
+        return _memory(r, shape, ch, z, s, micro, n, nn, g, accum)["peak"]
 
     if not choice.liger and g.capability is not None:
         p = peak(ch=dataclasses.replace(choice, liger=True))

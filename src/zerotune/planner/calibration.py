@@ -84,17 +84,6 @@ def load_path_bytes(zero_init: bool, n_params: int, dtype_bytes: int) -> int:
     return 0 if zero_init else n_params * dtype_bytes
 
 
-def offload_pinned_gpu_bytes(offload_optimizer: bool) -> int:
-    """GPU bytes of DeepSpeed's optimizer-offload buffers: none.
-
-    deepspeed 0.19.8 stage3.py:333 sets self.device to CPU under offload_optimizer, and
-    stage3.py:791-795 allocates grad_partitions_flat_buffer on self.device and pins it (host memory,
-    invisible to nvidia-smi). The fp16 partitions that stay on the GPU under offload (2 B/param/world)
-    are already in estimate_zero3_model_states_mem_needs (stage3.py:4039).
-    """
-    return 0
-
-
 def overheads(allocated: int, *, world: int, gpu_is_cuda: bool, zero_init: bool = True,
               n_params: int = 0, dtype_bytes: int = 2) -> dict:
     """{term: bytes} that must fit beside the planner's tensors (memory_breakdown adds them to its parts)."""

@@ -298,12 +298,32 @@ def deepspeed_buffers(m: ModelShape, zero: dict | None, world: int, dtype_bytes:
     return out
 
 
+def offload_handoff_bytes(m: ModelShape, zero: dict | None, world: int, accum_bytes: int) -> int:
+    """GPU transient of ZeRO-3 optimizer offload when the largest layer's gradient is handed to the host.
+
+    The gradient partitions themselves live in pinned host memory under offload (deepspeed 0.19.8
+    stage3.py:333 sets self.device to CPU; :791-795 allocates and pins grad_partitions_flat_buffer), but
+    each reduced partition passes through the GPU three times at once (stage3.py, partition_grads): the
+    reduce-scatter output converted to the accumulation dtype (:1944), a GPU copy of the pinned partition
+    (:2025-2028, "ensure grad buffer is a CUDA buffer") and, at the accumulation boundary, an fp64 copy for
+    its norm (_constant_buffered_norm2, :1446 and :1960-1966; zero/utils.py get_norm_dtype). The largest
+    layer is the embedding, reduced last in backward, when activations and logits are already freed."""
+    if zero is None or int(zero.get("stage", 0)) != 3:
+        return 0
+    if (zero.get("offload_optimizer") or {}).get("device", "none") not in ("cpu", "nvme"):
+        return 0
+    return (2 * accum_bytes + 8) * math.ceil(m.largest_layer_params / world)
+
+
 def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, attention: str, liger: bool,
                      checkpointing: bool, packing: bool, zero: dict | None, gpus_per_node: int, nodes: int,
                      gpu_is_cuda: bool = True, peft: tuple[str, int] | None = None,
-                     capability: tuple[int, int] | None = None, lm_head_trainable: bool | None = None) -> dict:
+                     capability: tuple[int, int] | None = None, lm_head_trainable: bool | None = None,
+                     grad_accum_bytes: int | None = None) -> dict:
     """Ordered {component: bytes} per GPU plus the peak (their sum) and notes. capability: the target GPU's
-    (Liger's fused CE takes a costlier path below sm80); lm_head_trainable: default full fine-tuning only."""
+    (Liger's fused CE takes a costlier path below sm80); lm_head_trainable: default full fine-tuning only;
+    grad_accum_bytes: DeepSpeed's gradient accumulation dtype (data_types.grad_accum_dtype; default: the
+    model's)."""
     e = 2 if precision in ("fp16", "bf16") else 4
     world = gpus_per_node * nodes
     if peft is not None:  # (method, trainable params)
@@ -315,7 +335,8 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     res = 4 if peft is not None and peft[0] == "qlora" else e
     act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger, residual_bytes=res)
     parts = {"model states (DeepSpeed estimator)": states}
-    parts.update(deepspeed_buffers(m, zero, world, e))
+    buffers = deepspeed_buffers(m, zero, world, e)
+    parts.update(buffers)
     if checkpointing:
         parts["checkpointed layer inputs"] = act["layer_inputs"] + act["final_norm"] + act["small"]
         # One layer's recompute: its saved tensors plus the gradients flowing through it
@@ -335,6 +356,13 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
         logits_how += (f" + sm<80 fallback transient {fallback / GiB:.2f} GiB (forward only; counted beyond the "
                        f"{recompute / GiB:.2f} GiB backward recompute it cannot coexist with)")
     parts["logits + loss"] = logits
+    # The offload hand-off happens at the end of backward, after every activation and the logits are freed:
+    # only what exceeds them raises the peak.
+    handoff = offload_handoff_bytes(m, zero, world, grad_accum_bytes or e)
+    if handoff:
+        outlived = sum(parts.values()) - states - sum(buffers.values())  # activations, mask, logits
+        if handoff > outlived:
+            parts["offload grad hand-off (end of backward)"] = handoff - outlived
     # Fragmentation, CUDA context, NCCL and the allocated/reserved/nvidia-smi views: calibration.py
     allocated = sum(parts.values())
     parts.update(extra := calibration.overheads(allocated, world=world, gpu_is_cuda=gpu_is_cuda))
