@@ -7,8 +7,8 @@ Files: this launcher; train_setup.py (paths, the bench recipe, TRL, the padded d
 baselines under torchrun); train_report.py (summaries, ratios, train.md / train.png).
 
 What is compared (one model, one data set, one set of hyper-parameters, all from bench/recipes/bench_train.yaml:
-SmolLM2-135M-Instruct, 2 CPU processes under torchrun, DeepSpeed ZeRO-3, fp32, SDPA, gradient checkpointing,
-AdamW; every contender loads the same folder):
+SmolLM2-135M-Instruct, 2 CPU processes under torchrun, DeepSpeed ZeRO-3, fp32, SDPA, AdamW, gradient
+checkpointing as the recipe sets it (off); every contender loads the same folder):
 
 - `zerotune`: the real CLI, `python -m zerotune prepare|train bench/recipes/bench_train.yaml ...`: documents
   truncated to seq_len, packed best-fit-decreasing into seq_len rows (block-causal via restarting position_ids),

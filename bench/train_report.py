@@ -91,8 +91,9 @@ def notes(label_check: dict | None, b: int, seq_len: int, pack_eff: float, mean_
         "peft defaults (r 16 on every linear layer of the blocks).",
         "Model FLOPs = 6N + attention per processed token (zerotune.metrics.flops_per_token; LoRA is counted the "
         "same, although it skips the frozen weights' gradients). The limit is the fp32 matmul rate of both cores "
-        "at the model's shapes, measured by bench/bench_limits.py in this run; gradient checkpointing adds a "
-        "second forward (hardware FLOPs 8N), which the fraction does not count.",
+        "at the model's shapes, measured by bench/bench_limits.py in this run. The bench recipe trains without "
+        "gradient checkpointing (bench/README.md: it cost 11-15% CPU per label token); with it, the recompute adds "
+        "2N per token that the fraction would not count.",
         "Peak memory is the max RSS of a worker process (ru_maxrss) over ranks, so it includes the Python, "
         "torch and DeepSpeed baseline of each process (~0.8 GiB here) besides the model, activations and logits.",
     ]
