@@ -38,6 +38,20 @@ def test_planner_lora_terms():
     assert "no ZeRO sharding" in q["memory"]["model_states_how"]
 
 
+def test_lora_linears_are_zero3_leaves():
+    """Under ZeRO-3 each LoRA linear is hooked as one module (set_z3_leaf_modules), not as its five parts."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from zerotune import peft_utils
+
+    model, _, _ = peft_utils.wrap(_tiny(), load_recipe("tiny_lora"))
+    lora = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    assert lora and all(getattr(m, "_z3_leaf", False) for m in lora)
+    assert not any(getattr(m, "_z3_leaf", False) for m in model.modules() if not isinstance(m, LoraLinear))
+    plain, _, _ = peft_utils.wrap(_tiny(), load_recipe("tiny_lora", ["train.deepspeed=null"]))
+    assert not any(getattr(m, "_z3_leaf", False) for m in plain.modules())
+
+
 def _tiny(vocab=256):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
