@@ -88,6 +88,30 @@ def read_metrics(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "train" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
+def start_train(out: Path, log: Path, *extra: str, recipe: str = "tiny"):
+    """`zerotune train` in the background (to be signalled or killed mid-run), its output in `log`."""
+    import subprocess
+    import sys
+
+    f = open(log, "w+")  # a file, not a pipe: a full pipe would block the workers
+    return subprocess.Popen([sys.executable, "-m", "zerotune", "train", recipe, f"output_dir={out}", *extra],
+                            cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(proc, out: Path, step: int, committed: int | None = None) -> None:
+    """Until the run has logged `step` (and committed checkpoint-`committed`); fails if it ends first."""
+    import time
+
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        rows = read_metrics(out) if (out / "train" / "metrics.jsonl").exists() else []
+        marker = out / "checkpoints" / f"checkpoint-{committed}" / "zerotune_commit.json"
+        if rows and rows[-1]["step"] >= step and (committed is None or marker.exists()):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"run ended or timed out before step {step} (exit {proc.poll()})")
+
+
 TINY_STEPS = ["train.logging_steps=1", "train.max_steps=40"]
 
 

@@ -9,12 +9,11 @@ import resource
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, zt
+from conftest import REPO, start_train, wait_for_step, zt
 from conftest import read_metrics as metrics
 
 pytestmark = pytest.mark.integration
@@ -35,23 +34,6 @@ def fresh(reference: Path, out: Path, *parts: str) -> Path:
     for part in ("data", "base", *parts):
         shutil.copytree(reference / part, out / part)
     return out
-
-
-def start(out: Path, log: Path, *extra: str, recipe: str = "tiny", common=tuple(COMMON)) -> subprocess.Popen:
-    f = open(log, "w+")  # a file, not a pipe: a full pipe would block the workers
-    return subprocess.Popen([sys.executable, "-m", "zerotune", "train", recipe, f"output_dir={out}", *common, *extra],
-                            cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True)
-
-
-def wait_for_step(proc: subprocess.Popen, out: Path, step: int, committed: int | None = None) -> None:
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        rows = metrics(out) if (out / "train" / "metrics.jsonl").exists() else []
-        marker = out / "checkpoints" / f"checkpoint-{committed}" / "zerotune_commit.json"
-        if rows and rows[-1]["step"] >= step and (committed is None or marker.exists()):
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"run ended or timed out before step {step} (exit {proc.poll()})")
 
 
 def assert_matches_reference(reference: Path, out: Path) -> None:
@@ -81,7 +63,7 @@ def test_planned_checkpoint_size_matches_the_real_one(reference):
 
 def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(reference, tmp_path):
     run = fresh(reference, tmp_path / "run")
-    proc = start(run, tmp_path / "interrupted.log")
+    proc = start_train(run, tmp_path / "interrupted.log", *COMMON)
     wait_for_step(proc, run, 3)
     # What slurm/finetune.sbatch's trap does: USR1 to the workers (torchrun's children), not to torchrun.
     subprocess.run(["pkill", "-USR1", "-f", f"python[^ ]* -u -m zerotune train tiny output_dir={run}"], check=True)
@@ -101,7 +83,7 @@ def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(reference, tmp
 
 def test_kill9_then_full_disk_then_resume_matches_uninterrupted_run(reference, tmp_path):
     run = fresh(reference, tmp_path / "run")
-    proc = start(run, tmp_path / "killed.log")
+    proc = start_train(run, tmp_path / "killed.log", *COMMON)
     wait_for_step(proc, run, 7, committed=6)
     # A node failure: every process of the job, launcher and torchrun included, dies without warning.
     subprocess.run(["pkill", "-9", "-f", f"zerotune train tiny output_dir={run}"], check=True)

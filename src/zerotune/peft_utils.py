@@ -105,6 +105,10 @@ def wrap(model, r: Recipe):
         from peft.tuners.lora import Linear as LoraLinear
 
         set_z3_leaf_modules(model, [LoraLinear])
+        # Seen with deepspeed 0.19.8: when no layer input requires grad (frozen embeddings, and no gradient
+        # checkpointing, which turns input gradients on itself), a leaf's backward met its LoRA weights still
+        # partitioned ("size of tensor a (0)"). Input gradients cost one layer's input-gradient product.
+        model.enable_input_require_grads()
     trainable, total = model.get_nb_trainable_parameters()  # counts 4-bit params at their logical size
     return model, trainable, total
 
