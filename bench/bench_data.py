@@ -1,6 +1,6 @@
 """Data preparation benchmark: `prepare` vs a straightforward per-sample loop, on the same synthetic chat data.
 
-    .venv/bin/python bench/bench_data.py                  # 30k conversations, seq_len 4096, 3 repeats
+    .venv/bin/python bench/bench_data.py                  # 30k conversations, seq_len 4096, 2 repeats
     .venv/bin/python bench/bench_data.py --n 20000 --baseline-n 2000 --repeats 5
 
 1. Generates N synthetic multi-turn conversations (1-6 user/assistant turns, a system prompt in 40% of
@@ -90,7 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=30_000, help="conversations")
     ap.add_argument("--baseline-n", type=int, default=2_000, help="conversations for the baseline loop")
-    ap.add_argument("--repeats", type=int, default=3, help="prepares, each bracketed by baseline slices")
+    ap.add_argument("--repeats", type=int, default=2, help="prepares, each bracketed by baseline slices")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--num-proc", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "data"))

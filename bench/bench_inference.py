@@ -217,7 +217,7 @@ def main() -> None:
                     help="HF model folder (SmolLM2 by default; a missing folder: a random tiny model)")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3, help="groups of pairs (ratio median and spread over groups)")
+    ap.add_argument("--repeats", type=int, default=2, help="groups of pairs (ratio median and spread over groups)")
     ap.add_argument("--prefills", type=int, default=5, help="prefill pairs per group (each turn a burst)")
     ap.add_argument("--decodes", type=int, default=3, help="decode pairs per group")
     ap.add_argument("--threads", type=int, default=1, help="threads for both engines (see the module docstring)")
