@@ -146,7 +146,7 @@ def markdown(res: dict) -> str:
         f"DeepSpeed ZeRO-3 on {procs()} CPU processes, fp32, gradient accumulation {s['grad_accum']}, "
         f"{s['steps']} optimizer steps per run ({s['trl_steps']} for TRL) of which the first {s['warmup']} not "
         f"measured, {s['repeats']} "
-        f"alternating repeats (TRL in the first {s.get('trl_repeats', s['repeats'])}), {res['machine']['cpus']} CPUs shared with other jobs (ratios within a repeat are what "
+        f"alternating repeats (LoRA and TRL in the first {s.get('trl_repeats', s['repeats'])}), {res['machine']['cpus']} CPUs shared with other jobs (ratios within a repeat are what "
         f"count). Whole benchmark: {res['wall_s'] / 60:.1f} min. Medians over repeats:",
         "",
         "| config | label tokens/s, measured | label tokens/s, long-run | label tokens per CPU-s, long-run | "
