@@ -13,6 +13,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 REPO = Path(__file__).resolve().parents[1]
+# third-party lines zerotune silences at their source (src/zerotune/quiet.py, train/worker.py): none may come back
+NOISE = ["Traceback", "is deprecated", "Setting accelerator to CPU", "Gradient accumulation steps mismatch",
+         "n_ctx_train (0)", "built successfully", "OMP_NUM_THREADS", "gemm_4bit_forward", "{'loss'", "'train_runtime'",
+         "Writing model shards", "clean_up_tokenization_spaces"]
 TOKENIZER_DIR = REPO / "assets" / "tokenizer" / "llama3_1"
 TINY_CONFIG = REPO / "configs" / "models" / "tiny_llama31.json"
 

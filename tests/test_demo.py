@@ -1,22 +1,18 @@
 """`make demo` end to end: the last line is the JSON summary and it meets the bar in the README.
 
-tiny: full fine-tuning under ZeRO-3 on 2 processes. tiny_qlora: adapters on a 4-bit NF4 base, merged into the
-fp32 base, exported to Q8_0 and checked the same way (issue 8's "whole chain on CPU passes its check")."""
+tiny_qlora: adapters on a 4-bit NF4 base, merged into the fp32 base, exported to Q8_0 and checked (issue 8's
+"whole chain on CPU passes its check"). `make demo` on tiny (full fine-tuning under ZeRO-3, 5 minutes) is not
+repeated here: the same stages under ZeRO-3 on 2 processes run in test_smollm2 on the real model, whose log is
+held to the same noise list (CI budget, issue 15)."""
 
 import json
 import subprocess
 
 import pytest
 
-from conftest import REPO
+from conftest import NOISE, REPO
 
 pytestmark = pytest.mark.integration
-
-
-# third-party lines zerotune silences at their source (src/zerotune/quiet.py, train/worker.py): none may come back
-NOISE = ["Traceback", "is deprecated", "Setting accelerator to CPU", "Gradient accumulation steps mismatch",
-         "n_ctx_train (0)", "built successfully", "OMP_NUM_THREADS", "gemm_4bit_forward", "{'loss'", "'train_runtime'",
-         "Writing model shards", "clean_up_tokenization_spaces"]
 
 
 def assert_readable_log(proc, recipe, out):
@@ -36,8 +32,8 @@ def assert_readable_log(proc, recipe, out):
     assert nxt.startswith(f'next: make serve RECIPE={recipe} ARGS="output_dir={out}"'), nxt
 
 
-@pytest.mark.parametrize("recipe", ["tiny", "tiny_qlora"])
-def test_make_demo(tmp_path, recipe):
+def test_make_demo_qlora(tmp_path):
+    recipe = "tiny_qlora"
     proc = subprocess.run(["make", "-s", "demo", f"RECIPE={recipe}", f"ARGS=output_dir={tmp_path}"], cwd=REPO,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -50,13 +46,12 @@ def test_make_demo(tmp_path, recipe):
     assert summary["passed"] is True
     check = json.loads((tmp_path / "check" / "check.json").read_text())
     assert check["agreement"]["mean_kl"] <= 0.01 and check["agreement"]["top1_gated"] >= 0.98
-    if recipe == "tiny_qlora":
-        v = json.loads((tmp_path / "train" / "manifest.json").read_text())["verify"]
-        assert v["method"] == "qlora"
-        assert v["adapter_reload_max_abs_logit_diff"] < 1e-3  # same 4-bit base + reloaded adapter == trained
-        assert v["merge_max_abs_logit_diff"] < 1e-3           # merged fp32 model == fp32 base + adapter
-        assert v["max_abs_logit_diff"] < 1e-3                 # saved merged model reloads identically
-        assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
-        assert not list((tmp_path / "model").glob("adapter_*")), "the published model is merged, not an adapter"
-        q = json.loads((tmp_path / "gguf" / "manifest.json").read_text())
-        assert q["type"] == "q8_0"
+    v = json.loads((tmp_path / "train" / "manifest.json").read_text())["verify"]
+    assert v["method"] == "qlora"
+    assert v["adapter_reload_max_abs_logit_diff"] < 1e-3  # same 4-bit base + reloaded adapter == trained
+    assert v["merge_max_abs_logit_diff"] < 1e-3           # merged fp32 model == fp32 base + adapter
+    assert v["max_abs_logit_diff"] < 1e-3                 # saved merged model reloads identically
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    assert not list((tmp_path / "model").glob("adapter_*")), "the published model is merged, not an adapter"
+    q = json.loads((tmp_path / "gguf" / "manifest.json").read_text())
+    assert q["type"] == "q8_0"

