@@ -87,9 +87,8 @@ def notes(label_check: dict | None, b: int, seq_len: int, pack_eff: float, mean_
         f"{mean_doc:.0f} tokens). Expected padding efficiency of random micro-batches on this data: "
         + ", ".join(f"{k} docs {pad_eff[k]:.2f}" for k in (1, 2, 4, 8)) + ".",
         "Every contender's TrainingArguments come from zerotune.train.training_kwargs(the bench recipe): the same "
-        "optimizer, schedule, precision, DeepSpeed config and gradient checkpointing setting (off in the bench recipe); "
-        "LoRA uses the recipe's "
-        "peft defaults (r 16 on every linear layer of the blocks).",
+        "optimizer, schedule, precision, DeepSpeed config and gradient checkpointing setting (off in the bench "
+        "recipe); LoRA uses the recipe's peft defaults (r 16 on every linear layer of the blocks).",
         "Model FLOPs = 6N + attention per processed token (zerotune.metrics.flops_per_token; LoRA is counted the "
         "same, although it skips the frozen weights' gradients). The limit is the fp32 matmul rate of both cores "
         "at the model's shapes, measured by bench/bench_limits.py in this run. The bench recipe trains without "

@@ -1,7 +1,7 @@
 """`make demo` end to end: the last line is the JSON summary and it meets the bar in the README.
 
 tiny_qlora: adapters on a 4-bit NF4 base, merged into the fp32 base, exported to Q8_0 and checked (issue 8's
-"whole chain on CPU passes its check"). `make demo` on tiny (full fine-tuning under ZeRO-3, 5 minutes) is not
+"whole chain on CPU passes its check"). `make demo` on tiny (full fine-tuning under ZeRO-3, 7 minutes) is not
 repeated here: the same stages under ZeRO-3 on 2 processes run in test_smollm2 on the real model, whose log is
 held to the same noise list (CI budget, issue 15)."""
 
