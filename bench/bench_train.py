@@ -1,6 +1,6 @@
 """Training-throughput benchmark (issue 9): zerotune vs the padded HF Trainer vs TRL SFTTrainer, same job.
 
-    .venv/bin/python bench/bench_train.py      # every config, 2 alternating repeats (LoRA, TRL in the first): ~16 min
+    .venv/bin/python bench/bench_train.py      # every config, 2 alternating repeats (LoRA, TRL in the first): ~13 min
     .venv/bin/python bench/bench_train.py --repeats 3 --steps 8 --configs zerotune,trainer_padded
 
 Files: this launcher; train_setup.py (paths, the bench recipe, TRL, the padded data); train_worker.py (the
@@ -148,7 +148,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--grad-accum", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
+    ap.add_argument("--steps", type=int, default=5, help="optimizer steps per run")
     ap.add_argument("--trl-steps", type=int, default=4,
                     help="optimizer steps per TRL run (its CPU loss path makes a step ~3-4x as long)")
     # 2: ZeRO-3 records its parameter trace in step 1 and, in step 2 (the first with a complete trace), fills
