@@ -4,9 +4,11 @@ ARGS ?=
 PY := .venv/bin/python
 ZT := $(PY) -m zerotune
 export HF_HUB_OFFLINE ?= 0
+# the same cache as slurm/env.sh: `make fetch` on a login node fills what the compute nodes' preflight reads
+export HF_HOME ?= $(CURDIR)/.cache/huggingface
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup data finetune quantize check eval serve plan demo lint test test-fast bench bench-quant clean help
+.PHONY: setup fetch data finetune quantize check eval serve plan demo lint test test-fast bench bench-quant clean help gpu-check
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -14,11 +16,17 @@ help:  ## list targets
 setup:  ## create .venv with pinned packages, llama.cpp converter and tokenizer (TORCH=cu126 for V100/T4)
 	@bash scripts/setup.sh
 
+fetch: setup  ## download the recipe's hub model (safetensors, config, tokenizer) into the HF cache, on a node with internet
+	$(ZT) fetch $(RECIPE) $(ARGS)
+
 data: setup  ## tokenize, label and pack the recipe's data once (cached by fingerprint)
 	$(ZT) prepare $(RECIPE) $(ARGS)
 
 plan: setup  ## memory, batch and time plan for the recipe's target cluster
 	$(ZT) plan $(RECIPE) $(ARGS)
+
+gpu-check:  ## on a CUDA GPU: run the GPU-only paths for real beside the plan (no GPU: says so, exits 0); ARGS="--seq 2048" etc.
+	$(PY) scripts/gpu_check.py $(ARGS)
 
 finetune: setup  ## train with DeepSpeed ZeRO-3 (one process per GPU, or train.cpu_procs on CPU)
 	$(ZT) train $(RECIPE) $(ARGS)

@@ -58,3 +58,93 @@ def test_liger_rope_and_fused_linear_cross_entropy_match_reference():
     assert res["flce_patched"], "Liger's fused linear cross entropy forward was not applied"
     assert res["liger"] == pytest.approx(res["ref"], rel=1e-5, abs=1e-5)
     assert res["max_grad_diff"] < 1e-4
+
+
+PHASES = textwrap.dedent("""
+    import json, torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    apply_liger_kernel_to_llama(rope=True, fused_linear_cross_entropy=True, rms_norm=False, swiglu=False,
+                                cross_entropy=False)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from zerotune.evaluation import nll_sum
+    from zerotune.metrics import liger_saved_head_grad
+
+    S, V = 128, 2048
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+
+    class Largest(TorchDispatchMode):  # the largest tensor any op creates while the mode is on
+        def __init__(self):
+            super().__init__()
+            self.numel, self.shape = 0, None
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                    self.numel, self.shape = t.numel(), list(t.shape)
+            return out
+
+    ids = torch.randint(0, V, (1, S))
+    pos = torch.cat([torch.arange(S // 2), torch.arange(S - S // 2)]).unsqueeze(0)  # two packed documents
+    labels = ids.clone(); labels[:, :8] = -100
+    row = {"input_ids": ids[0].tolist(), "labels": labels[0].tolist(), "position_ids": pos[0].tolist()}
+    res = {}
+    model.train()
+    with Largest() as m:
+        out = model(input_ids=ids, labels=labels, position_ids=pos)
+        out.loss.backward()
+    res["train_step"] = m.shape
+    g = liger_saved_head_grad(model(input_ids=ids, labels=labels, position_ids=pos))
+    res["saved_head_grad"] = [list(g.shape), bool(torch.isfinite(g).all())] if g is not None else None
+    model.eval()
+    with torch.no_grad():
+        for liger in (True, False):
+            with Largest() as m:
+                loss, n = nll_sum(model, [row], torch.device("cpu"), liger=liger)
+            res[f"validation_liger_{liger}"] = [m.shape, loss, n]
+        with Largest() as m:
+            model.generate(input_ids=ids[:, : S - 8], max_new_tokens=4, do_sample=False, use_cache=True,
+                           pad_token_id=0)
+        res["samples"] = m.shape
+    model.half().train()  # fp16 as on a V100; summed loss as the Trainer's (num_items_in_batch)
+    with torch.no_grad():  # hidden states of ~2000, one target for 120 tokens: its lm_head row sums them all,
+        model.model.norm.weight.fill_(2000.0)  # past fp16's 65504 before any loss scaling
+    one_target = torch.where(labels == -100, labels, torch.zeros_like(labels))
+    g = liger_saved_head_grad(model(input_ids=ids, labels=one_target, position_ids=pos,
+                                    num_items_in_batch=torch.tensor(1.0)))
+    res["overflowed_head_grad_finite"] = bool(torch.isfinite(g).all())
+    print(json.dumps(res))
+""")
+
+
+def test_liger_on_no_phase_allocates_a_sequence_by_vocabulary_tensor():
+    """Issue 29: with Liger on, neither the training step nor the in-training validation (eval mode, where Liger
+    materialises logits unless asked not to) nor sample generation creates a sequence x vocabulary tensor; the
+    same probe does see one when validation runs without the fused loss, so it can fail. Also: the lm_head
+    gradient Liger saves in forward (before loss scaling) is found in the graph, and its overflow is seen."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", PHASES], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    S, V = 128, 2048
+
+    def numel(shape):
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+
+    # the largest left are weight-sized (V x H = S x V / 2 here: the embedding, Liger's lm_head gradient)
+    assert numel(res["train_step"]) <= V * 64 < S * V, res["train_step"]
+    assert numel(res["validation_liger_True"][0]) <= V * 64, res["validation_liger_True"]
+    assert numel(res["validation_liger_False"][0]) >= S * V, res["validation_liger_False"]  # the probe sees logits
+    # the fused loss in eval mode is the same number as the materialised one
+    assert res["validation_liger_True"][1] == pytest.approx(res["validation_liger_False"][1], rel=1e-4)
+    assert res["validation_liger_True"][2] == res["validation_liger_False"][2] == S - 8
+    assert numel(res["samples"]) <= V * 64, res["samples"]
+    assert res["saved_head_grad"] == [[V, 64], True]
+    assert res["overflowed_head_grad_finite"] is False

@@ -137,24 +137,65 @@ def test_choice_keeps_liger_below_sm80_and_says_what_it_costs():
     assert not any("below sm80" in w for w in choose(gpu_for_capability((8, 0)), fa2_installed=False).reasons)
 
 
-def test_nonfinite_lm_head_gradient_is_counted_and_stops_the_run(tmp_path):
+def _fp16_engine(scale: float, overflow: bool):
+    """What StepMetrics reads of DeepSpeed's engine: the fp16 optimizer's scale and overflow flag (deepspeed 0.19.8
+    runtime/zero/stage3.py `loss_scale` property, `overflow`; engine.skipped_steps; the fp16 config)."""
+    return SimpleNamespace(skipped_steps=0, config={"fp16": {"min_loss_scale": 1}},
+                           optimizer=SimpleNamespace(loss_scale=scale, overflow=overflow))
+
+
+def test_lm_head_overflow_that_the_loss_scaler_resolves_does_not_stop_the_run(tmp_path):
+    """An inf in lm_head's (loss-scaled) gradient is ordinary fp16 overflow while the scale can still drop:
+    DeepSpeed skips the step and halves the scale on the second overflow (hysteresis 2). Issue 29 item 3: the
+    old guard raised on that second step, before its save, and the job was not requeued."""
+    model = _tiny_llama(torch.float32)
+    cb = StepMetrics(tmp_path / "m.jsonl", tokens_per_step=64, label_fraction=1.0, flops_tok=1.0,
+                     peak_tflops=None, world_size=1, max_overflows_at_min_scale=5)
+    cb.watch_grads(model, check_lm_head=True)
+    args, x = SimpleNamespace(fp16=True, device=torch.device("cpu")), torch.randint(0, 128, (2, 32))
+    w = model.get_output_embeddings().weight
+    scale = 65536.0
+    for step in range(1, 7):  # overflow, overflow (halved), ... as DeepSpeed's scaler would go
+        eng = _fp16_engine(scale, overflow=step <= 4)
+        cb.trainer = SimpleNamespace(model_wrapped=eng)
+        model.zero_grad()
+        loss = model(input_ids=x, labels=x).loss
+        (loss + ((w * float("inf")).sum() if step <= 4 else 0)).backward()
+        cb.on_step_end(args, SimpleNamespace(global_step=step), None)
+        if step % 2 == 0 and step <= 4:
+            scale /= 2
+    assert [r["lm_head_grad_nonfinite"] for r in cb.rows] == [1, 1, 1, 1, 0, 0]
+    assert [r["lm_head_grad_nonfinite_unscaled"] for r in cb.rows] == [0] * 6  # no Liger here: nothing before scaling
+
+
+def test_lm_head_overflow_that_persists_at_the_minimum_scale_stops_the_run(tmp_path):
     from zerotune.metrics import FP16OverflowError
 
     model = _tiny_llama(torch.float32)
     cb = StepMetrics(tmp_path / "m.jsonl", tokens_per_step=64, label_fraction=1.0, flops_tok=1.0,
-                     peak_tflops=None, world_size=1, max_overflows_at_min_scale=2)
+                     peak_tflops=None, world_size=1, max_overflows_at_min_scale=5)
     cb.watch_grads(model, check_lm_head=True)
-    args, x = SimpleNamespace(fp16=True, device=torch.device("cpu")), torch.randint(0, 128, (2, 32))
-    model(input_ids=x, labels=x).loss.backward()
-    cb.on_step_end(args, SimpleNamespace(global_step=1), None)
-    assert cb.rows[-1]["lm_head_grad_nonfinite"] == 0
+    cb.trainer = SimpleNamespace(model_wrapped=_fp16_engine(1.0, overflow=True))
+    args = SimpleNamespace(fp16=True, device=torch.device("cpu"))
     w = model.get_output_embeddings().weight
-    (w * float("inf")).sum().backward()  # what an overflowed fp16 accumulation hands to autograd
-    cb.on_step_end(args, SimpleNamespace(global_step=2), None)
-    assert cb.rows[-1]["lm_head_grad_nonfinite"] == 1
     (w * float("inf")).sum().backward()
-    with pytest.raises(FP16OverflowError, match="Liger's fused cross entropy sums it in fp16 before loss scaling"):
-        cb.on_step_end(args, SimpleNamespace(global_step=3), None)
+    cb.on_step_end(args, SimpleNamespace(global_step=1), None)
+    (w * float("inf")).sum().backward()
+    with pytest.raises(FP16OverflowError, match="lm_head's gradient overflowed in 2 steps in a row at the minimum"):
+        cb.on_step_end(args, SimpleNamespace(global_step=2), None)
+
+
+def test_lm_head_gradient_non_finite_before_scaling_stops_at_once(tmp_path):
+    """Liger's own gradient (saved in forward, before the loss scale) non-finite in two steps: no scale can cure it."""
+    from zerotune.metrics import FP16OverflowError
+
+    cb = StepMetrics(tmp_path / "m.jsonl", tokens_per_step=64, label_fraction=1.0, flops_tok=1.0,
+                     peak_tflops=None, world_size=1, max_overflows_at_min_scale=5)
+    row = {"step": 1, "loss_scale": 65536.0, "overflow": True, "lm_head_grad_nonfinite": 1,
+           "lm_head_grad_nonfinite_unscaled": 1}
+    cb.safety_checks(dict(row), 1, min_scale=1.0)
+    with pytest.raises(FP16OverflowError, match="before loss scaling in 2 steps in a row"):
+        cb.safety_checks(dict(row, step=2), 2, min_scale=1.0)
 
 
 LIGER_FP16 = """

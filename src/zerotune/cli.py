@@ -11,11 +11,11 @@ from .errors import EXIT_CODE, UserError, hand_off, report
 from .layout import layout
 from .quiet import silence_known_noise
 
-STAGES = ["prepare", "train", "quantize", "check", "eval", "serve", "plan", "explain"]
+STAGES = ["fetch", "prepare", "train", "quantize", "check", "eval", "serve", "plan", "explain"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerotune", description="LLM fine-tuning recipes: prepare -> train -> quantize -> check -> serve.")
+    p = argparse.ArgumentParser(prog="zerotune", description="LLM fine-tuning recipes: fetch -> prepare -> train -> quantize -> check -> serve.")
     p.add_argument("stage", choices=STAGES)
     p.add_argument("recipe", nargs="?", default="tiny", help="recipe name in recipes/ or a path to a YAML file")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=1e-4")
@@ -67,6 +67,9 @@ def _banner(args, r) -> None:
 
 def _stage(args, argv: list[str], r) -> int:
     _banner(args, r)
+    if args.stage == "fetch":
+        from .weights import fetch
+        return fetch(r)
     if args.stage == "prepare":
         from .data.prepare import prepare
         prepare(r, rebuild=args.rebuild)

@@ -9,8 +9,20 @@ in sum mode (labels shifted as HF shifts them), divided by the label-token count
 Generation: all ranks answer the same prompts with synced_gpus=True (a rank that finished keeps joining the
 gathers of the others).
 
-The result lands in the step's metrics.jsonl row as val_loss / val_ppl (one row per step, as resume and the
-tests expect), on stdout, in wandb when on; answers go to runs/<r>/train/samples.jsonl.
+When: after the step's checkpoint is committed (on_save), or before the next step when the step saves nothing.
+The Trainer calls on_step_end before it saves (transformers 5.23 trainer.py:1949-1950, then
+_maybe_log_save_evaluate: log, evaluate, save): a validation there that fails (out of memory at 16K on a
+V100) would lose the step it follows, and a requeued job would repeat that step and fail again. A run stopping
+for a signal or the deadline skips the pending validation: its time belongs to the save.
+
+Memory: the forward runs in eval mode, where Liger's patched forward materialises the full logits unless told
+otherwise (liger_kernel 0.8.5 transformers/model/llama.py:113-115, skip_logits defaults to `self.training and
+labels is not None`), and transformers' ForCausalLMLoss upcasts them to fp32 (loss/loss_utils.py:61): at 16K x
+128,256 about 21 GiB. With Liger on, nll_sum passes skip_logits=True: the fused linear cross entropy, as in
+training, and no sequence x vocabulary tensor.
+
+The result amends the step's metrics.jsonl row with val_loss / val_ppl (one row per step, as resume and the
+tests expect), goes to stdout, and to wandb when on; answers go to runs/<r>/train/samples.jsonl.
 """
 
 from __future__ import annotations
@@ -37,17 +49,19 @@ def _row_tensors(row: dict, device) -> dict:
     return {k: torch.tensor([row[k]], dtype=torch.long, device=device) for k in ("input_ids", "labels", "position_ids")}
 
 
-def nll_sum(model, rows: list[dict], device) -> tuple[float, int]:
+def nll_sum(model, rows: list[dict], device, liger: bool = False) -> tuple[float, int]:
     """(summed NLL over label tokens, label tokens) of `rows`, one forward per row, in the caller's mode
-    (eval + no_grad). A row whose labels are all -100 contributes nothing but still makes its forward call."""
+    (eval + no_grad). A row whose labels are all -100 contributes nothing but still makes its forward call.
+    liger: the model's forward is Liger's; ask it for the fused loss without logits (module docstring)."""
     import torch
 
+    fused = {"skip_logits": True} if liger else {}  # only Liger's forward knows the keyword
     total, count = torch.zeros((), dtype=torch.float64), 0
     for row in rows:
         batch = _row_tensors(row, device)
         n = int((batch["labels"][..., 1:] != -100).sum())  # the tokens ForCausalLMLoss counts after its shift
         # num_items_in_batch turns the model's own loss (HF's or Liger's) into a sum over label tokens
-        out = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1.0, device=device))
+        out = model(**batch, use_cache=False, num_items_in_batch=torch.tensor(1.0, device=device), **fused)
         if n:
             total += out.loss.detach().double().cpu()
             count += n
@@ -60,7 +74,7 @@ def shard(n_rows: int, rank: int, world: int) -> list[int | None]:
     return mine + [None] * (math.ceil(n_rows / world) - len(mine))
 
 
-def distributed_val_loss(model, ds, device) -> tuple[float, int]:
+def distributed_val_loss(model, ds, device, liger: bool = False) -> tuple[float, int]:
     """Mean NLL per label token over the whole eval split, computed across all ranks: (loss, label tokens)."""
     import torch
 
@@ -68,7 +82,7 @@ def distributed_val_loss(model, ds, device) -> tuple[float, int]:
     rank, world = (d.get_rank(), d.get_world_size()) if d else (0, 1)
     dummy = {**ds[0], "labels": [-100] * len(ds[0]["labels"])}
     rows = [ds[i] if i is not None else dummy for i in shard(len(ds), rank, world)]
-    total, count = nll_sum(model, rows, device)
+    total, count = nll_sum(model, rows, device, liger)
     t = torch.tensor([total, float(count)], dtype=torch.float64)
     if d:
         t = t.to(device)
@@ -78,31 +92,59 @@ def distributed_val_loss(model, ds, device) -> tuple[float, int]:
 
 
 class EvalDuringTraining(TrainerCallback):
-    """Validation loss + samples at every `train.eval_steps` and at the last step (see the module docstring)."""
+    """Validation loss + samples at every `train.eval_steps` and at the last step, after the step's checkpoint is
+    committed (see the module docstring). Put it after CommitCheckpoints in the Trainer's callbacks.
 
-    def __init__(self, r: Recipe, step_metrics=None):
+    liger: the model runs Liger's forward (the fused loss is asked for in eval mode). stop: the run's
+    StopOnSignal; a run stopping at a due step skips that validation."""
+
+    def __init__(self, r: Recipe, step_metrics=None, liger: bool = False, stop=None):
         self.r = r
         self.every = r.train.eval_steps
         self.step_metrics = step_metrics
+        self.liger = liger
+        self.stop = stop
         self.eval_path = layout(r).data / "eval"
         self.samples_path = layout(r).samples
         self._ds = None
         self._prompts = None
         self._rewound = False
+        self._pending: int | None = None  # a due step whose validation has not run yet
 
     # -- what and when ----------------------------------------------------------------------------------
     def _due(self, state) -> bool:
         return (self.every > 0 and state.global_step % self.every == 0) or state.global_step == state.max_steps
 
-    def on_step_begin(self, args, state, control, **kw):
+    def on_step_end(self, args, state, control, **kw):
+        if self._due(state):
+            self._pending = state.global_step
+            control.should_log = True  # the step's metrics row is written now; its validation amends it
+
+    def on_save(self, args, state, control, model=None, **kw):
+        self._run_pending(args, state, model)  # CommitCheckpoints.on_save ran first: the step is committed
+
+    def on_step_begin(self, args, state, control, model=None, **kw):
         if not self._rewound:  # first step of this attempt: state.global_step is the step resumed from
             self._rewound = True
             if state.is_world_process_zero:
                 mf.rewind_jsonl(self.samples_path, state.global_step)
+        self._run_pending(args, state, model)  # a due step that saved nothing
 
-    def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
-        if not self._due(state) or model is None:
+    def on_train_end(self, args, state, control, model=None, **kw):
+        self._run_pending(args, state, model)  # the last step, when the recipe saves nothing
+
+    def _run_pending(self, args, state, model) -> None:
+        step, self._pending = self._pending, None
+        if step is None or model is None:
             return
+        if self.stop is not None and self.stop.stopped_at == step:  # the same on every rank (reduced)
+            if state.is_world_process_zero:
+                print(f"train: eval: step {step} validation skipped: the run is stopping ({self.stop.reason}); "
+                      f"the resumed run validates at its next due step", flush=True)
+            return
+        self._evaluate(args, state, model, step)
+
+    def _evaluate(self, args, state, model, step: int) -> None:
         t0 = time.perf_counter()
         was_training = model.training
         # generate() turns the KV cache back on in the model's config; training and the final probe rely on it
@@ -115,15 +157,14 @@ class EvalDuringTraining(TrainerCallback):
 
             with torch.no_grad():
                 row = self._val_loss(model, args.device)
-                samples = self._samples(model, args.device, state.global_step)
+                samples = self._samples(model, args.device, step)
         finally:
             model.train(was_training)
             if config is not None:
                 config.use_cache = use_cache
         row["eval_s"] = round(time.perf_counter() - t0, 2)
-        control.should_log = True  # the step's metrics row is written now and carries val_loss
         if state.is_world_process_zero:
-            self._report(state.global_step, row, samples)
+            self._report(step, row, samples)
 
     # -- the two measurements -----------------------------------------------------------------------------
     def _val_loss(self, model, device) -> dict:
@@ -134,7 +175,7 @@ class EvalDuringTraining(TrainerCallback):
             self._ds = load_from_disk(str(self.eval_path))
         if len(self._ds) == 0:
             return {}
-        loss, tokens = distributed_val_loss(model, self._ds, device)
+        loss, tokens = distributed_val_loss(model, self._ds, device, self.liger)
         return {"val_loss": loss, "val_ppl": math.exp(loss) if loss < 700 else float("inf"), "val_tokens": tokens}
 
     def _samples(self, model, device, step: int) -> list[dict]:
@@ -168,8 +209,8 @@ class EvalDuringTraining(TrainerCallback):
 
     # -- reporting (rank 0) ---------------------------------------------------------------------------------
     def _report(self, step: int, row: dict, samples: list[dict]) -> None:
-        if self.step_metrics is not None and self.step_metrics.rows and self.step_metrics.rows[-1]["step"] == step:
-            self.step_metrics.rows[-1].update(row)  # written by StepMetrics.on_log right after this callback
+        if self.step_metrics is not None:
+            self.step_metrics.amend(step, row)  # the step's row, written by StepMetrics.on_log before the save
         parts = [f"step {step}"]
         if "val_loss" in row:
             parts.append(f"val_loss {row['val_loss']:.4f}, val_ppl {row['val_ppl']:.3g} "

@@ -75,6 +75,22 @@ def rewind_jsonl(path: Path, step: int, discard_to: Path | None = None) -> int:
     return len(dropped)
 
 
+def amend_jsonl(path: Path, step: int, fields: dict) -> bool:
+    """Add `fields` to the row of `step` (written earlier), replacing the file atomically: a reader sees the old
+    or the new file, never half. For measurements that finish after their step's row was written (validation
+    runs after the step's checkpoint is committed). False when no row has that step."""
+    path = Path(path)
+    rows = read_jsonl(path) if path.exists() else []
+    hit = [x for x in rows if x["step"] == step]
+    for x in hit:
+        x.update(fields)
+    if hit:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(x, default=str) + "\n" for x in rows))
+        os.replace(tmp, path)
+    return bool(hit)
+
+
 def _fsync_tree(path: Path) -> None:
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     for p in files:

@@ -88,6 +88,22 @@ def _hms(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
+def liger_saved_head_grad(output) -> torch.Tensor | None:
+    """The lm_head gradient Liger's fused linear cross entropy computed in forward and saved for backward
+    (liger_kernel 0.8.5 ops/fused_linear_cross_entropy.py:574-578, saved_tensors = (grad_input, grad_weight,
+    grad_bias)), found a few nodes up the model loss's graph; None without Liger or without a loss."""
+    todo = [(getattr(getattr(output, "loss", None), "grad_fn", None), 0)]
+    while todo:
+        fn, depth = todo.pop()
+        if fn is None or depth > 4:  # the loss is Liger's output, divided or scaled at most a few times
+            continue
+        if type(fn).__name__.startswith("LigerFusedLinearCrossEntropyFunction"):
+            saved = fn.saved_tensors
+            return saved[1] if len(saved) > 1 else None
+        todo += [(f, depth + 1) for f, _ in fn.next_functions]
+    return None
+
+
 class StepMetrics(TrainerCallback):
     def __init__(self, path: Path, tokens_per_step: int, label_fraction: float, flops_tok: float,
                  peak_tflops: float | None, world_size: int, max_overflows_at_min_scale: int = 5):
@@ -107,7 +123,8 @@ class StepMetrics(TrainerCallback):
         self.watching_grads = False
         self._grad_zero, self._grad_total = None, 0  # zero gradient elements / all, this step, this rank
         self.checking_head, self._head_bad = False, None  # micro-batches with a non-finite lm_head gradient
-        self.head_bad_total, self._head_bad_steps = 0, 0
+        self._head_unscaled_bad = None  # ... whose gradient was already non-finite before loss scaling (Liger)
+        self.head_bad_total, self._head_bad_at_min, self._head_unscaled_steps = 0, 0, 0
         self.rows: list[dict] = []
         self.progress: Progress | None = None
 
@@ -145,10 +162,16 @@ class StepMetrics(TrainerCallback):
         in fp32. Embeddings and lm_head are left out (rows of tokens absent from the batch are truly 0), and so
         is LoRA A (its gradient is 0 while B is still at its zero init).
 
-        check_lm_head: count micro-batches whose lm_head gradient holds inf/NaN. Liger's fused CE builds that
-        gradient in forward, before loss scaling, in the 16-bit weight dtype (liger_kernel 0.8.5
-        ops/fused_linear_cross_entropy.py: `grad_weight = torch.zeros_like(weight)`, then `+=` per chunk):
-        an overflow there is not cured by lowering the loss scale, so it must be told apart."""
+        check_lm_head: count micro-batches whose lm_head gradient holds inf/NaN, and tell apart the two causes.
+        Liger's fused CE builds that gradient in forward, before loss scaling, in the 16-bit weight dtype
+        (liger_kernel 0.8.5 ops/fused_linear_cross_entropy.py:116 `torch.zeros_like(weight)`, :375 `+=` per
+        chunk below sm80), saves it for backward (:574-578), and multiplies it there by the upstream gradient,
+        which carries the loss scale (:438-450). So the gradient autograd hands on (the tensor hook) can be
+        inf from ordinary loss-scale overflow, which DeepSpeed's scaler cures by skipping the step and halving
+        the scale (deepspeed/runtime/fp16/loss_scaler.py:256-274, hysteresis 2); the gradient Liger saved
+        (found in the loss's graph by a forward hook) being non-finite is an overflow lowering the scale cannot
+        cure. safety_checks() stops on the second only, and on the first only when it persists at the minimum
+        loss scale."""
         skip = ("embed", "lm_head", "lora_A")
         cands = [p for name, p in model.named_parameters()
                  if p.requires_grad and len(getattr(p, "ds_shape", p.shape)) >= 2  # ZeRO-3: p.shape is (0,)
@@ -171,7 +194,14 @@ class StepMetrics(TrainerCallback):
                 self._head_bad = bad if self._head_bad is None else self._head_bad + bad
                 return g
 
+            def unscaled_hook(module, args, output):
+                g = liger_saved_head_grad(output) if module.training else None
+                if g is not None:
+                    bad = (~torch.isfinite(g)).any().int()
+                    self._head_unscaled_bad = bad if self._head_unscaled_bad is None else self._head_unscaled_bad + bad
+
             self._hooks.append(head.weight.register_hook(head_hook))
+            self._hooks.append(model.register_forward_hook(unscaled_hook))
             self.checking_head = True
         for p in dict.fromkeys(picked):  # a short model may pick one parameter twice
             self._hooks.append(p.register_hook(hook))
@@ -229,23 +259,16 @@ class StepMetrics(TrainerCallback):
                 zt = zt.to(args.device)
                 dist.all_reduce(zt, op=dist.ReduceOp.SUM)
             grad_zero = zt[0].item() / zt[1].item() if zt[1].item() > 0 else None
-        head_bad = None
+        head_bad = head_unscaled = None
         if self.checking_head:
-            hb = torch.tensor(float(self._head_bad if self._head_bad is not None else 0))
-            self._head_bad = None
+            hb = torch.tensor([float(self._head_bad if self._head_bad is not None else 0),
+                               float(self._head_unscaled_bad if self._head_unscaled_bad is not None else 0)])
+            self._head_bad = self._head_unscaled_bad = None
             if dist.is_available() and dist.is_initialized():
                 hb = hb.to(args.device)
                 dist.all_reduce(hb, op=dist.ReduceOp.SUM)
-            head_bad = int(hb.item())
+            head_bad, head_unscaled = int(hb[0].item()), int(hb[1].item())
             self.head_bad_total += head_bad
-            self._head_bad_steps = self._head_bad_steps + 1 if head_bad else 0
-            # Lowering the scale cannot cure it and each skipped step costs hours at 8B: two in a row is systematic.
-            if self._head_bad_steps >= min(2, self.max_overflows):
-                raise FP16OverflowError(
-                    f"lm_head's gradient was inf/NaN in {self._head_bad_steps} steps in a row (step {state.global_step}): "
-                    "Liger's fused cross entropy sums it in fp16 before loss scaling, so DeepSpeed lowering the scale "
-                    "cannot fix it. Use train.liger=off with a shorter data.seq_len (`zerotune plan` shows what fits), "
-                    "or bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
         row = {"step": state.global_step, "step_time_s": round(dt, 4),
                "tokens_per_s": round(self.tokens_per_step / dt, 1) if dt > 0 else None,
                "tokens_per_s_per_rank": round(self.tokens_per_step / dt / self.world, 1) if dt > 0 else None,
@@ -256,24 +279,57 @@ class StepMetrics(TrainerCallback):
             row["grad_zero_frac"] = round(grad_zero, 6)
         if head_bad is not None:
             row["lm_head_grad_nonfinite"] = head_bad
+            row["lm_head_grad_nonfinite_unscaled"] = head_unscaled
         if self.peak and dt > 0:
             row["mfu"] = round(self.flops_tok * self.tokens_per_step / dt / (self.peak * 1e12 * self.world), 4)
-        eng = self._engine()
+        eng, min_scale = self._engine(), None
         if eng is not None and args.fp16:
             scale = float(getattr(eng.optimizer, "loss_scale", getattr(eng.optimizer, "cur_scale", float("nan"))))
             row["loss_scale"] = scale
             row["skipped_steps"] = int(eng.skipped_steps)
-            overflow = bool(getattr(eng.optimizer, "overflow", False))
-            min_scale = float(eng.config.get("fp16", {}).get("min_loss_scale", 1)) if hasattr(eng, "config") and isinstance(eng.config, dict) else 1.0
-            self._overflows_at_min = self._overflows_at_min + 1 if overflow and scale <= min_scale else 0
-            if self._overflows_at_min >= self.max_overflows:
-                raise FP16OverflowError(
-                    f"fp16 gradients overflowed {self._overflows_at_min} steps in a row at the minimum loss scale "
-                    f"{min_scale} (step {state.global_step}): training has diverged. Lower train.lr, check the data "
-                    "for extreme samples, or use bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
+            row["overflow"] = bool(getattr(eng.optimizer, "overflow", False))  # this step was skipped
+            min_scale = (float(eng.config.get("fp16", {}).get("min_loss_scale", 1))
+                         if hasattr(eng, "config") and isinstance(eng.config, dict) else 1.0)
+        self.safety_checks(row, state.global_step, min_scale)
         self.rows.append(row)
         if self.progress is not None:
             self.progress.update(state.global_step)
+
+    def safety_checks(self, row: dict, step: int, min_scale: float | None) -> None:
+        """Stop the run (on every rank: the inputs were reduced) when fp16 cannot recover by itself. Each skipped
+        step costs hours at 8B, so what loss scaling cannot cure stops at once; what it can, only when it persists
+        at the minimum scale (min_scale: DeepSpeed's; None without a loss scaler), where nothing is left to lower."""
+        at_min = min_scale is not None and row.get("overflow", False) and row["loss_scale"] <= min_scale
+        self._overflows_at_min = self._overflows_at_min + 1 if at_min else 0
+        if row.get("lm_head_grad_nonfinite_unscaled"):
+            self._head_unscaled_steps += 1
+        else:
+            self._head_unscaled_steps = 0
+        self._head_bad_at_min = self._head_bad_at_min + 1 if at_min and row.get("lm_head_grad_nonfinite") else 0
+        if self._head_unscaled_steps >= min(2, self.max_overflows):
+            raise FP16OverflowError(
+                f"lm_head's gradient was inf/NaN before loss scaling in {self._head_unscaled_steps} steps in a row "
+                f"(step {step}): Liger's fused cross entropy sums it in fp16 in forward, so DeepSpeed lowering the "
+                "scale cannot fix it. Use train.liger=off with a shorter data.seq_len (`zerotune plan` shows what "
+                "fits), or bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
+        if self._head_bad_at_min >= min(2, self.max_overflows):
+            raise FP16OverflowError(
+                f"lm_head's gradient overflowed in {self._head_bad_at_min} steps in a row at the minimum loss scale "
+                f"{min_scale:g} (step {step}): training has diverged. Lower train.lr, check the data for extreme "
+                "samples, or use bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
+        if self._overflows_at_min >= self.max_overflows:
+            raise FP16OverflowError(
+                f"fp16 gradients overflowed {self._overflows_at_min} steps in a row at the minimum loss scale "
+                f"{min_scale:g} (step {step}): training has diverged. Lower train.lr, check the data "
+                "for extreme samples, or use bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
+
+    def amend(self, step: int, fields: dict) -> None:
+        """Add measurements made after the step's row was written (validation runs after the step's save)."""
+        for row in self.rows:
+            if row["step"] == step:
+                row.update(fields)
+        if self.path.exists():
+            mf.amend_jsonl(self.path, step, fields)
 
     def on_log(self, args, state, control, logs=None, **kw):
         logs = dict(logs or {})
@@ -299,8 +355,9 @@ class StepMetrics(TrainerCallback):
         parts.append(f"peak mem {row.get('peak_mem_gib_max_rank', 0):.2f} GiB")
         if "grad_zero_frac" in row:
             parts.append(f"zero grads {row['grad_zero_frac']:.2%}")
-        if row.get("lm_head_grad_nonfinite"):
-            parts.append(f"lm_head grad inf/NaN in {row['lm_head_grad_nonfinite']} micro-batches")
+        if row.get("lm_head_grad_nonfinite") or row.get("lm_head_grad_nonfinite_unscaled"):
+            parts.append(f"lm_head grad inf/NaN in {row['lm_head_grad_nonfinite']} micro-batches "
+                         f"({row['lm_head_grad_nonfinite_unscaled']} before loss scaling)")
         if "loss_scale" in row:
             parts.append(f"loss scale {row['loss_scale']:g} (skipped {row['skipped_steps']})")
         line = "train: " + ", ".join(parts)

@@ -49,7 +49,9 @@ def materialise_base(r: Recipe) -> Path:
 def before_launch(r: Recipe, skip_preflight: bool = False) -> None:
     """What is checked and built before any worker starts."""
     from ..plan import disk_preflight, preflight
+    from ..weights import require_weights
 
+    require_weights(r)  # on this node, offline: the workers never download (`zerotune fetch` does, beforehand)
     require_prepared(r)  # fail here, in seconds, not after the launch
     if not skip_preflight:
         preflight(r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)
@@ -71,6 +73,7 @@ def launch(r: Recipe, argv: list[str], skip_preflight: bool = False) -> int:
     n_gpu = torch.cuda.device_count()
     nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
     env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = "1"  # before_launch found the weights locally: no rank contacts the hub
     if n_gpu == 0:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's accelerator plumbing; gloo without oneCCL
     if nproc > 1:

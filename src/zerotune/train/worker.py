@@ -169,7 +169,9 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
                           run.gpu.peak_tflops, run.world)
     commit = CommitCheckpoints(r.train.save_total_limit)
     trainer = Trainer(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
-                      callbacks=[metrics, EvalDuringTraining(r, metrics), stop, commit, *faults.callbacks(model)])
+                      # validation after CommitCheckpoints: a step is committed before it is validated
+                      callbacks=[metrics, stop, commit, EvalDuringTraining(r, metrics, run.choice.liger, stop),
+                                 *faults.callbacks(model)])
     metrics.attach(trainer)
     metrics.count_labels(model)
     # fp16 underflow at large GA shows as zero gradient elements; Liger fp16 lm_head grads can overflow unscaled
