@@ -48,3 +48,10 @@ def test_flash_attention_requested_but_not_installed():
 def test_explicit_valid_requests_are_kept():
     c = choose(GPUS["v100-32gb"], precision="fp16", attention="eager", liger="off")
     assert (c.precision, c.attention, c.liger) == ("fp16", "eager", False)
+
+
+def test_capacity_is_the_total_pytorch_reports():
+    # "31.75 GiB total capacity" in a V100-SXM2-32GB's OOM messages, not 32: the one memory figure per GPU
+    assert GPUS["v100-32gb"].usable_gib == 31.75
+    assert 14.5 < GPUS["t4"].usable_gib < 15 and GPUS["a100-80gb"].usable_gib < 80 > GPUS["h100-80gb"].usable_gib
+    assert not hasattr(GPUS["v100-32gb"], "memory_gib")

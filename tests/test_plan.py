@@ -100,7 +100,10 @@ def test_disk_preflight_refuses_a_too_small_file_system(tmp_path, monkeypatch):
     assert d["checkpoint_bytes"] == 14 * 8_030_261_248 and d["checkpoints_at_once"] == 3
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**40, 0, 100 * 2**30))
-    with pytest.raises(PlanError, match=r"100.0 GiB free; this run needs about 344.0 GiB.*save_total_limit"):
+    # the worst event of a fresh run: the third checkpoint written while two are committed (rotation follows
+    # the commit); finalize (two checkpoints + the 16-bit model.tmp) needs less
+    with pytest.raises(PlanError, match=r"100.0 GiB free; this run needs 314.1 GiB more at its save at "
+                                        r"save_total_limit \(it holds no checkpoint yet.*save_total_limit=2"):
         disk_preflight(r, tmp_path / "run")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**40, 0, 400 * 2**30))
-    assert disk_preflight(r, tmp_path / "run")["peak_bytes"] < 400 * 2**30
+    assert disk_preflight(r, tmp_path / "run")["peak_bytes"] == 3 * d["checkpoint_bytes"] < 400 * 2**30

@@ -138,3 +138,59 @@ def test_check_t4_fails_early_with_one_line(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "nvcc not on PATH" in r.stderr
     assert not (tmp_path / "site").exists() and not (tmp_path / "wheels").exists()
+
+
+def _stop_callback(monkeypatch, deadline: float, step_s: float, save_s: float):
+    import signal
+
+    from zerotune.checkpoint import StopOnSignal
+
+    monkeypatch.setenv("ZEROTUNE_DEADLINE", str(deadline))
+    monkeypatch.delenv("ZEROTUNE_PID_DIR", raising=False)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        stop = StopOnSignal()
+    finally:  # pytest's own SIGTERM handling stays as it was
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    stop.step_times, stop.save_s = [step_s], save_s
+    return stop
+
+
+def _step_end(stop, step: int, max_steps: int):
+    from types import SimpleNamespace
+
+    last = step >= max_steps  # what the Trainer's DefaultFlowCallback has set by now
+    control = SimpleNamespace(should_save=last, should_training_stop=last)
+    stop.on_step_end(SimpleNamespace(device="cpu"), SimpleNamespace(global_step=step, max_steps=max_steps,
+                                                                    is_world_process_zero=True), control)
+    return control
+
+
+def test_deadline_at_the_last_step_finalizes_instead_of_requeueing(monkeypatch):
+    """Issue 29 item 6: at the last step no further step has to fit, only the rest of the job. A 1-hour step with a
+    2-minute save and 30 minutes left: the step before the last stops (exit 75, requeue); the last one finalizes."""
+    import time
+
+    from zerotune.checkpoint import finalize_fits, seconds_needed
+
+    now, step_s, save_s = 1_000_000.0, 3600.0, 120.0
+    monkeypatch.setattr(time, "time", lambda: now)
+    assert finalize_fits(now, now + 1800, save_s) and not finalize_fits(now, now + 1800, 900.0)
+    assert not finalize_fits(now, None, save_s), "no known deadline: no promise to finish"
+    stop = _stop_callback(monkeypatch, now + 1800, step_s, save_s)
+    control = _step_end(stop, 4, 5)
+    assert stop.stopped_at == 4 and control.should_save and control.should_training_stop
+    stop = _stop_callback(monkeypatch, now + 1800, step_s, save_s)
+    control = _step_end(stop, 5, 5)
+    assert stop.stopped_at is None, "the last step must finalize, not requeue"
+    assert control.should_save and control.should_training_stop  # the Trainer's own final save and end
+    # too little time even for finalize: stop with the commit, the requeued job only finalizes
+    stop = _stop_callback(monkeypatch, now + seconds_needed(0, 2 * save_s) - 1, step_s, save_s)
+    _step_end(stop, 5, 5)
+    assert stop.stopped_at == 5 and stop.reason == "deadline"
+    # a SIGTERM (preemption, scancel) at the last step still stops: the job may not come back to finalize
+    stop = _stop_callback(monkeypatch, now + 1800, step_s, save_s)
+    stop.requested = "SIGTERM"
+    _step_end(stop, 5, 5)
+    assert stop.stopped_at == 5 and stop.reason == "SIGTERM"

@@ -224,6 +224,30 @@ def out_of_time(now: float, deadline: float | None, step_s: float | None, save_s
     return now + seconds_needed(step_s, step_s if save_s is None else save_s) > deadline
 
 
+def finalize_fits(now: float, deadline: float | None, save_s: float) -> bool:
+    """At the last step, whose checkpoint is saved anyway: whether the rest of the job (the consolidated 16-bit
+    save, then finalize's reload and check) ends before the deadline, so the job finishes instead of being
+    requeued only to finalize. Both move 2 bytes per parameter where a checkpoint moves 14 (fp32 weights, Adam
+    m and v, the 16-bit copy): two checkpoint saves, with the margin, bound them. No deadline: unknown, no."""
+    return deadline is not None and now + seconds_needed(0, 2 * save_s) <= deadline
+
+
+class TrainingComplete(Exception):
+    """Resumed from the last step's checkpoint: nothing is left to train."""
+
+
+class EndAtLastStep(TrainerCallback):
+    """A job resumed from the last step's checkpoint (its validation failed, or it stopped there to be requeued)
+    must train nothing. The Trainer restores global_step only after on_train_begin, skips the trained batches
+    and, when max_steps ends inside an epoch, trains one step past max_steps before it checks (transformers 5.23
+    trainer.py:1653, :1697-1708, _run_epoch; found by tests/test_rehearsal.py). Raised before that step's first
+    forward, on every rank alike (they share the state); the worker then ends training as if it had finished."""
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step >= state.max_steps:
+            raise TrainingComplete(f"resumed at the last step ({state.global_step} of {state.max_steps})")
+
+
 class StopBeforeTraining(Exception):
     """A stop was requested before the first optimizer step of this attempt: there is nothing new to commit."""
 
@@ -312,6 +336,15 @@ class StopOnSignal(TrainerCallback):
         # 2: a signal, 1: the deadline; MAX over ranks, so a signal anywhere wins the reason
         local = 2.0 if self.requested else 1.0 if out_of_time(now, self.deadline, step_s, self.save_s) else 0.0
         flag = self._max_over_ranks(args, local)
+        save_s = self.save_s if self.save_s is not None else step_s
+        if flag > 0 and state.global_step >= state.max_steps and self.requested in (None, "SIGUSR1") \
+                and finalize_fits(now, self.deadline, save_s or 0.0):
+            # the last step: the Trainer saves it and training ends anyway; finishing beats a requeue
+            if state.is_world_process_zero:  # (a SIGTERM, a preemption or scancel, still stops: it may be final)
+                print(f"train: {'the deadline is near' if flag < 2 else self.requested + ' received'} at the last "
+                      f"step ({state.global_step}): saving it and finalizing (~{seconds_needed(0, 2 * (save_s or 0.0)):,.0f} s "
+                      f"needed, {self.deadline - now:,.0f} s left)", flush=True)
+            return control
         if flag > 0:
             control.should_save = True
             control.should_training_stop = True

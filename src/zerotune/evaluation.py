@@ -110,12 +110,14 @@ class EvalDuringTraining(TrainerCallback):
         self._prompts = None
         self._rewound = False
         self._pending: int | None = None  # a due step whose validation has not run yet
+        self._stepped = False  # this attempt has trained a step
 
     # -- what and when ----------------------------------------------------------------------------------
     def _due(self, state) -> bool:
         return (self.every > 0 and state.global_step % self.every == 0) or state.global_step == state.max_steps
 
     def on_step_end(self, args, state, control, **kw):
+        self._stepped = True
         if self._due(state):
             self._pending = state.global_step
             control.should_log = True  # the step's metrics row is written now; its validation amends it
@@ -131,6 +133,11 @@ class EvalDuringTraining(TrainerCallback):
         self._run_pending(args, state, model)  # a due step that saved nothing
 
     def on_train_end(self, args, state, control, model=None, **kw):
+        if not self._stepped and 0 < state.global_step >= state.max_steps:
+            # resumed at the last step (its validation failed, or the job stopped before it): no step ran in this
+            # attempt, so nothing is pending; validate it now. (The Trainer restores global_step after
+            # on_train_begin, transformers 5.23 trainer.py:1653 and :1697, so this cannot be decided earlier.)
+            self._pending = state.global_step
         self._run_pending(args, state, model)  # the last step, when the recipe saves nothing
 
     def _run_pending(self, args, state, model) -> None:
@@ -145,7 +152,10 @@ class EvalDuringTraining(TrainerCallback):
         self._evaluate(args, state, model, step)
 
     def _evaluate(self, args, state, model, step: int) -> None:
+        from . import faults
+
         t0 = time.perf_counter()
+        faults.eval_out_of_memory(step)
         was_training = model.training
         # generate() turns the KV cache back on in the model's config; training and the final probe rely on it
         # being off (packed position_ids give a block-causal mask only without a cache), so it is restored

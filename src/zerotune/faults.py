@@ -6,6 +6,8 @@ Enabled only by environment variables that the tests set; inert otherwise.
   weights stay finite; the run must still stop and say so.
 - ZEROTUNE_FAULT_NAN_WEIGHT_STEP=N: after the update of optimizer step N (before its save), rank 0's first
   weight shard gets a NaN (a diverged or corrupted update), which the commit check must refuse.
+- ZEROTUNE_FAULT_EVAL_OOM_STEP=N: the validation of step N runs out of memory, as a 16K eval forward that
+  materialises the logits does on a V100: the step must already be committed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ from transformers import TrainerCallback
 
 ENV_NAN_LOSS = "ZEROTUNE_FAULT_NAN_LOSS_STEP"
 ENV_NAN_WEIGHT = "ZEROTUNE_FAULT_NAN_WEIGHT_STEP"
+ENV_EVAL_OOM = "ZEROTUNE_FAULT_EVAL_OOM_STEP"
+
+
+def eval_out_of_memory(step: int) -> None:
+    """Called by the validation of `step`; raises as the CUDA caching allocator does when asked to."""
+    if os.environ.get(ENV_EVAL_OOM) == str(step):
+        import torch
+
+        raise torch.OutOfMemoryError(f"faults: {ENV_EVAL_OOM}={step}: CUDA out of memory (injected)")
 
 
 class NaNLossAt(TrainerCallback):

@@ -21,24 +21,35 @@ class CapabilityError(UserError, RuntimeError):
 class GPU:
     name: str
     capability: tuple[int, int] | None  # None = CPU
-    memory_gib: float
     peak_tflops: float | None  # dense 16-bit tensor peak, for MFU
     bf16: bool
     flash_attention_2: bool
-    usable_gib: float = 0.0  # what CUDA can allocate (nvidia-smi total less ECC/driver reserve)
+    # The device's memory as PyTorch reports it: "GPU 0 has a total capacity of X GiB" in its OOM messages,
+    # i.e. cudaMemGetInfo's total (torch.cuda.mem_get_info()[1]). Less than the marketing size (ECC, driver
+    # reserve) and a little dependent on the driver; everything a process allocates, CUDA context and NCCL
+    # buffers included, must fit in it. The only memory figure per GPU: plans and checks use this one.
+    usable_gib: float = 0.0
     default_mfu: float | None = None  # the planner's assumed model FLOPs utilisation for training
 
 
 # Peak dense 16-bit tensor TFLOPS from vendor datasheets (fp16 on V100/T4, bf16 on A100/H100).
+# usable_gib, from PyTorch OOM messages ("total capacity"), the lowest seen with a recent driver:
+#   V100-SXM2-32GB 31.75: measured on a zerotune user's V100 (NOTES, third round); haotian-liu/LLaVA#812
+#     shows 31.74 on another driver: 0.01 GiB, inside the planner's fragmentation margin.
+#   T4 14.56: Zheng-Chong/CatVTON#133 and AlphaGPU/leetgpu-challenges#52 (2025); 14.57-14.58 on other hosts
+#     (QwenLM/Qwen3-VL#1046, mbzuai-oryx/GeoPixel#5, driver 535), 14.75-14.76 with older drivers.
+#   A100-SXM4-80GB 79.15: the figure in PyTorch OOM reports from A100-80GB hosts (vLLM and PyTorch users;
+#     levihsu/OOTDiffusion#235 shows 79.25 on another A100); not measured here.
+#   H100-SXM5-80GB 79.11: vllm-project/vllm#27508 (H100); not measured here.
 GPUS = {
-    "v100-32gb": GPU("V100-SXM2-32GB", (7, 0), 32.0, 125.0, bf16=False, flash_attention_2=False, usable_gib=32.0,
+    "v100-32gb": GPU("V100-SXM2-32GB", (7, 0), 125.0, bf16=False, flash_attention_2=False, usable_gib=31.75,
                      default_mfu=0.35),
-    "t4": GPU("T4", (7, 5), 15.0, 65.0, bf16=False, flash_attention_2=False, usable_gib=14.6, default_mfu=0.30),
-    "a100-80gb": GPU("A100-SXM4-80GB", (8, 0), 80.0, 312.0, bf16=True, flash_attention_2=True, usable_gib=80.0,
+    "t4": GPU("T4", (7, 5), 65.0, bf16=False, flash_attention_2=False, usable_gib=14.56, default_mfu=0.30),
+    "a100-80gb": GPU("A100-SXM4-80GB", (8, 0), 312.0, bf16=True, flash_attention_2=True, usable_gib=79.15,
                      default_mfu=0.40),
-    "h100-80gb": GPU("H100-SXM5-80GB", (9, 0), 80.0, 989.0, bf16=True, flash_attention_2=True, usable_gib=80.0,
+    "h100-80gb": GPU("H100-SXM5-80GB", (9, 0), 989.0, bf16=True, flash_attention_2=True, usable_gib=79.11,
                      default_mfu=0.35),
-    "cpu": GPU("CPU", None, 0.0, None, bf16=False, flash_attention_2=False),
+    "cpu": GPU("CPU", None, None, bf16=False, flash_attention_2=False),
 }
 # llama.cpp on a GPU beside its weights and KV cache: CUDA context + compute buffers (0.3-0.8 GiB measured at
 # 8K context on 8B models); the T4 fit in plan and check counts it.
@@ -52,7 +63,7 @@ def gpu_for_capability(cap: tuple[int, int] | None, name: str = "") -> GPU:
         if g.capability == cap and (not name or g.name.split("-")[0].lower() in name.lower()):
             return g
     # An unlisted GPU: capabilities follow the architecture, peak is unknown (no MFU).
-    return GPU(name or f"sm{cap[0]}{cap[1]}", cap, 0.0, None, bf16=cap >= (8, 0), flash_attention_2=cap >= (8, 0))
+    return GPU(name or f"sm{cap[0]}{cap[1]}", cap, None, bf16=cap >= (8, 0), flash_attention_2=cap >= (8, 0))
 
 
 def detect() -> GPU:

@@ -2,7 +2,9 @@
 
 Everything is computed for the recipe's target cluster (`plan:`), not for this machine, so a
 laptop can plan a V100 job. Memory per GPU comes from planner/memory.py (DeepSpeed's estimator
-for model states + modelled buffers and activations); time from FLOPs at an assumed MFU.
+for model states + modelled buffers and activations) for the training step, and from
+planner/phases.py for every other phase of the job (validation, samples, save, resume, finalize,
+quantize); disk per event from planner/disk.py; time from FLOPs at an assumed MFU.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from .config import Recipe
 from .errors import UserError
 from .layout import layout
 from .quant_types import QUANT_TYPES
-from .planner.finalize import finalize_host_bytes
+from .planner.disk import disk_events, held
 from .planner.memory import GiB, ModelConfigError, _attention_has_mask, memory_breakdown, model_shape
+from .planner.phases import phase_plan
 
 
 class PlanError(UserError, RuntimeError):
@@ -45,12 +48,18 @@ def _cluster(r: Recipe, gpu, gpus_per_node, nodes):
 def _capacity_bytes(r: Recipe, g: hardware.GPU, gpus_per_node: int) -> int:
     if g.capability is None:  # CPU target: every process shares the node's RAM
         return int(r.plan.cpu_ram_gb * 1e9 / gpus_per_node)
-    return int(g.memory_gib * GiB)
+    return int(g.usable_gib * GiB)  # the total PyTorch reports (hardware.GPU.usable_gib)
 
 
 def _grad_accum_bytes(ds: dict | None) -> int | None:
     """DeepSpeed's gradient accumulation dtype (data_types.grad_accum_dtype; None: the model's)."""
     return {"fp32": 4, "fp16": 2, "bf16": 2}.get(((ds or {}).get("data_types") or {}).get("grad_accum_dtype"))
+
+
+def _grad_accum(r: Recipe, seq: int, micro: int, world: int) -> int:
+    """Micro-batches per optimizer step; where the batch does not divide exactly (an error reported
+    elsewhere), the next whole number."""
+    return max(1, math.ceil(r.train.global_batch_tokens / (seq * micro * world)))
 
 
 def _memory(r, shape, choice, zero, seq, micro, gpus_per_node, nodes, g, accum=None):
@@ -59,7 +68,7 @@ def _memory(r, shape, choice, zero, seq, micro, gpus_per_node, nodes, g, accum=N
                             packing=r.data.packing, zero=zero, gpus_per_node=gpus_per_node, nodes=nodes,
                             gpu_is_cuda=g.capability is not None, peft=_peft(r, shape), capability=g.capability,
                             lm_head_trainable=r.peft.method == "none" or "lm_head" in r.peft.modules_to_save,
-                            grad_accum_bytes=accum)
+                            grad_accum_bytes=accum, grad_accum=_grad_accum(r, seq, micro, gpus_per_node * nodes))
 
 
 def _peft(r: Recipe, shape):
@@ -73,22 +82,18 @@ def _peft(r: Recipe, shape):
 def _disk(r: Recipe, shape, choice, peft) -> dict:
     """Bytes on the shared file system: each checkpoint holds the fp32 master weights and Adam m, v of the
     trainable parameters (12 B each, split over ranks) plus the Trainer's own save of the model (the gathered
-    16-bit weights, or the adapter). Rotation deletes old checkpoints only after the new one is committed, so
-    save_total_limit + 1 exist at once; finalize stages the published model beside the old one."""
+    16-bit weights, or the adapter); finalize stages the published model beside them. Per event, counting the
+    committed checkpoints this run already holds: planner/disk.py."""
     w = 4 if choice.precision == "fp32" else 2
     trainable = peft[1] if peft else shape.n_params
     ckpt = 12 * trainable + w * trainable
-    steps = _data_steps(r)["total_steps"]  # None until the data is prepared
-    saves = max(1, steps // r.train.save_steps) if steps and r.train.save_steps > 0 else None
-    if r.train.save_steps <= 0:
-        at_once = 1  # only the checkpoint written on a SLURM signal
-    elif r.train.save_total_limit > 0:
-        at_once = min(r.train.save_total_limit + 1, saves or r.train.save_total_limit + 1)
-    else:
-        at_once = saves or 1
     model = w * shape.n_params
-    return {"checkpoint_bytes": ckpt, "checkpoints_at_once": at_once, "model_bytes": model,
-            "peak_bytes": at_once * ckpt + 2 * model}
+    paths = layout(r)
+    events = disk_events(checkpoint_bytes=ckpt, model_bytes=model, adapter_bytes=w * trainable if peft else None,
+                         save_total_limit=r.train.save_total_limit, save_steps=r.train.save_steps,
+                         total_steps=_data_steps(r)["total_steps"],  # None until the data is prepared
+                         now=held(paths.checkpoints, paths.model_staging))
+    return {"checkpoint_bytes": ckpt, "model_bytes": model, **events}
 
 
 SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write rate to shared storage, all ranks together: measure your own
@@ -201,6 +206,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
         batch_error = None
     except batchmod.BatchError as e:
         own_batch, batch_error = None, str(e)
+    phases = _phases(r, shape, choice, zero, g, gpn, world, capacity, own_mem)
 
     options = []
     seqs = sorted({s for s in SEQ_CHOICES if s <= shape.max_positions} | {r.data.seq_len})
@@ -242,8 +248,8 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
             warnings.append(f"CPU RAM: DeepSpeed estimates {cpu_need / 1e9:.0f} GB per node for offloaded states, "
                             f"plan.cpu_ram_gb is {r.plan.cpu_ram_gb:g}.")
     disk = _disk(r, shape, choice, _peft(r, shape))
-    fin = finalize_host_bytes(shape, choice.precision, _peft(r, shape))
-    if fin["peak_bytes"] > r.plan.cpu_ram_gb * 1e9:
+    fin = phases["finalize"]
+    if not fin["fits"]:
         warnings.append(f"CPU RAM: finalize (verify{' + merge' if r.peft.method != 'none' else ''} after training) "
                         f"needs {fin['peak_bytes'] / 1e9:.1f} GB on the first node, plan.cpu_ram_gb is "
                         f"{r.plan.cpu_ram_gb:g}; request more memory (sbatch --mem) or run finalize on a larger host.")
@@ -262,10 +268,28 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
                    "model_states_how": own_mem["model_states_how"], "logits_how": own_mem["logits_how"],
                    "cpu_bytes_per_node": own_mem["cpu_bytes_per_node"]},
         "options": options, "recommended": rec, "suggestions": suggestions,
+        "phases": phases,  # every phase of the job: planner/phases.py
         "time": time, "data": data, "inference": _inference(r, shape), "warnings": warnings,
         "disk": disk, "preemption": _preemption(r, time, disk),
-        "finalize": {**fin, "cpu_ram_bytes": int(r.plan.cpu_ram_gb * 1e9)},
+        "finalize": {"parts": fin["parts"], "peak_bytes": fin["peak_bytes"], "cpu_ram_bytes": fin["capacity_bytes"]},
     }
+
+
+def _phases(r: Recipe, shape, choice, zero, g, gpn: int, world: int, capacity: int, train: dict) -> dict:
+    """The recipe's own batch through every phase of its job (planner/phases.py)."""
+    from .evaluate import eval_sets
+
+    peft = _peft(r, shape)
+    sets = eval_sets(r)  # in-training samples answer the first set's prompts (evaluation._sample_prompts)
+    seq, micro = r.data.seq_len, r.train.micro_batch_size
+    return phase_plan(m=shape, train=train, precision=choice.precision, attention=choice.attention,
+                      liger=choice.liger, packing=r.data.packing, zero=zero, world=world, gpus_per_node=gpn,
+                      on_gpu=g.capability is not None, seq=seq, micro=micro,
+                      grad_accum=_grad_accum(r, seq, micro, world),
+                      trainable=peft[1] if peft else shape.n_params, peft=peft, gpu_capacity=capacity,
+                      host_capacity=int(r.plan.cpu_ram_gb * 1e9), validation_runs=r.data.eval_fraction > 0,
+                      samples=r.eval.samples if sets else 0,
+                      max_new_tokens=sets[0].max_new_tokens if sets else 0, quant_type=r.quantize.type)
 
 
 def _suggestions(r, shape, choice, zero, gpn, nn, g, capacity, accum=None) -> list[str]:
@@ -329,6 +353,13 @@ def format_plan(p: dict) -> str:
                      "document length (the recipe's seq_len before `prepare`)")
     if not p["recommended"]:
         lines.append("  nothing fits. Try: " + "; ".join(p["suggestions"]))
+    lines.append("\nevery phase of the job (peak per GPU, or host RAM per node):")
+    lines.append(f"  {'phase':<12} {'peak':>10}  {'of capacity':>16}  fits  what")
+    for name, ph in p["phases"].items():
+        unit = f"{ph['capacity_bytes'] / GiB:.2f} GiB {ph['limit']}"
+        verdict = ("yes" if ph["fits"] else "NO ") if ph["runs"] else "-  "
+        lines.append(f"  {name:<12} {_gib(ph['peak_bytes'])}  {unit:>16}  {verdict}   {ph['what']}"
+                     + ("" if ph["runs"] else " (does not run: see the recipe)"))
     t = p["time"]
     lines.append(f"\ntime: {t['flops_per_step']:.3g} FLOPs per optimizer step (6NT {t['flops_dense']:.3g}, "
                  f"recompute {t['flops_recompute']:.3g}, attention {t['flops_attention']:.3g} {t['attention_kind']})")
@@ -341,8 +372,18 @@ def format_plan(p: dict) -> str:
     else:
         lines.append("  data: not prepared yet (run `zerotune prepare`) - steps per epoch unknown")
     dk = p["disk"]
-    lines.append(f"\ndisk: {_gib(dk['checkpoint_bytes']).strip()} per checkpoint x {dk['checkpoints_at_once']} at once "
-                 f"+ 2 x {_gib(dk['model_bytes']).strip()} model = {_gib(dk['peak_bytes']).strip()} under output_dir")
+    lines.append(f"\ndisk under output_dir: {_gib(dk['checkpoint_bytes']).strip()} per checkpoint, "
+                 f"{_gib(dk['model_bytes']).strip()} model; a fresh run at each event:")
+    for e in dk["events"]:
+        lines.append(f"  {e['event']:<26} {e['checkpoints_held']} committed + the new one: {_gib(e['bytes'])}"
+                     if "save" in e["event"] else
+                     f"  {e['event']:<26} {e['checkpoints_held']} committed + model.tmp:     {_gib(e['bytes'])}")
+    h = dk["held"]
+    if h["checkpoints"]:
+        lines.append(f"  this run holds {h['checkpoints']} committed checkpoint(s) "
+                     f"({_gib(h['checkpoint_bytes']).strip()}): it still needs {_gib(dk['needed_free_bytes']).strip()} free (at {dk['needed_at']})")
+    else:
+        lines.append(f"  needs {_gib(dk['needed_free_bytes']).strip()} free (at {dk['needed_at']})")
     fin = p["finalize"]
     lines.append(f"\nfinalize (after training, CPU): peak host RAM {fin['peak_bytes'] / 1e9:.1f} GB of "
                  f"{fin['cpu_ram_bytes'] / 1e9:g} GB (plan.cpu_ram_gb): "
@@ -403,27 +444,37 @@ def plan_main(r: Recipe, as_json: bool = False) -> int:
 
 
 def preflight(r: Recipe) -> dict:
-    """Raise PlanError if the recipe is predicted not to fit its target; skipped for CPU targets."""
+    """Raise PlanError if any phase of the job is predicted not to fit its target; skipped for CPU targets."""
     if r.plan.gpu == "cpu":
         return {"skipped": "plan.gpu is cpu"}
     p = compute_plan(r)
     rc, m = p["recipe_config"], p["memory"]
     if rc["batch_error"]:
         raise PlanError(rc["batch_error"])
+    problems = []
     if not rc["fits"]:
         rec = p["recommended"]
         fix = (f"use data.seq_len={rec['seq_len']} train.micro_batch_size={rec['micro_batch_size']}" if rec
                else "; ".join(p["suggestions"]))
-        raise PlanError(f"predicted peak {m['peak_bytes'] / GiB:.1f} GiB per GPU exceeds {m['capacity_bytes'] / GiB:.1f} GiB "
-                        f"on {p['cluster']['gpu_name']} at seq_len {rc['seq_len']} x micro-batch "
-                        f"{rc['micro_batch_size']}. Suggested: {fix}. (`zerotune plan {r.name}` shows the breakdown; "
+        problems.append(f"train_step: predicted peak {m['peak_bytes'] / GiB:.1f} GiB per GPU exceeds "
+                        f"{m['capacity_bytes'] / GiB:.2f} GiB on {p['cluster']['gpu_name']} at seq_len {rc['seq_len']} "
+                        f"x micro-batch {rc['micro_batch_size']}. Suggested: {fix}")
+    for name, ph in p["phases"].items():
+        if name != "train_step" and ph["runs"] and not ph["fits"]:
+            where = "per GPU" if ph["limit"] == "gpu" else "host RAM per node (plan.cpu_ram_gb)"
+            problems.append(f"{name}: {ph['peak_bytes'] / GiB:.1f} GiB of {ph['capacity_bytes'] / GiB:.2f} {where} "
+                            f"({ph['what']}): {ph['fix']}")
+    if problems:
+        raise PlanError(" | ".join(problems) + f". (`zerotune plan {r.name}` shows the breakdown; "
                         "--skip-preflight skips this check.)")
     return p
 
 
 def disk_preflight(r: Recipe, where) -> dict:
-    """Raise PlanError if output_dir's file system cannot hold the checkpoints: better now than a failed save
-    hours into the run (which would still leave the previous checkpoint intact)."""
+    """Raise PlanError if output_dir's file system cannot hold what the run still has to write at its worst
+    event: better now than a failed save hours into the run (which would still leave the previous checkpoint
+    intact). The run's own committed checkpoints are counted as already used (planner/disk.py), so a requeued
+    run asks only for the room its next events need."""
     import shutil
     from pathlib import Path
 
@@ -432,10 +483,14 @@ def disk_preflight(r: Recipe, where) -> dict:
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    if free < d["peak_bytes"]:
-        raise PlanError(f"{where} has {free / GiB:.1f} GiB free; this run needs about {d['peak_bytes'] / GiB:.1f} GiB "
-                        f"({d['checkpoints_at_once']} checkpoints of {d['checkpoint_bytes'] / GiB:.1f} GiB + the model). "
-                        "Free space, lower train.save_total_limit, or set output_dir elsewhere (--skip-preflight skips this check).")
+    if free < d["needed_free_bytes"]:
+        h = d["held"]
+        mine = (f"its {h['checkpoints']} committed checkpoint(s) ({h['checkpoint_bytes'] / GiB:.1f} GiB) "
+                "already counted as used" if h["checkpoints"] else "it holds no checkpoint yet")
+        raise PlanError(f"{where} has {free / GiB:.1f} GiB free; this run needs {d['needed_free_bytes'] / GiB:.1f} GiB "
+                        f"more at its {d['needed_at']} ({mine}; checkpoints of {d['checkpoint_bytes'] / GiB:.1f} GiB, "
+                        f"train.save_total_limit={r.train.save_total_limit}). Free space, lower "
+                        "train.save_total_limit, or set output_dir elsewhere (--skip-preflight skips this check).")
     return d
 
 
@@ -468,6 +523,12 @@ def dry_run(r: Recipe) -> str:
              f"{'fits' if m['peak_bytes'] <= m['capacity_bytes'] else 'DOES NOT FIT'}"]
     for k, v in m["parts"].items():
         lines.append(f"    {k:<36} {v / GiB:6.2f} GiB")
+    gpu = [f"{n} {ph['peak_bytes'] / GiB:.1f}" for n, ph in p["phases"].items()
+           if n != "train_step" and ph["limit"] == "gpu"]
+    bad = [n for n, ph in p["phases"].items() if ph["runs"] and not ph["fits"]]
+    lines.append(f"  other phases   {', '.join(gpu)} GiB per GPU; "
+                 + ("every phase fits" if not bad else "DO NOT FIT: " + ", ".join(bad))
+                 + " (`zerotune plan` shows all)")
     if p["time"]["seconds_per_step"]:
         lines.append(f"  time/step      {p['time']['seconds_per_step'] / 3600:.2f} h at {p['time']['mfu']:.0%} MFU")
     for why in ch["reasons"]:

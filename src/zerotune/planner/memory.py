@@ -214,6 +214,12 @@ def _num(v, auto):
     return auto if v in (None, "auto") else int(float(v))
 
 
+def sub_group_size(zero: dict | None) -> int:
+    """DeepSpeed's optimizer sub-group, in elements per rank (zero_optimization.sub_group_size; DeepSpeed's
+    default 1e9): the unit the optimizer step upcasts gradients in and torch.save writes one tensor of."""
+    return _num((zero or {}).get("sub_group_size"), 10 ** 9)
+
+
 def model_states_bytes(m: ModelShape, zero: dict | None, gpus_per_node: int, nodes: int) -> tuple[int, int, str]:
     """(per-GPU bytes, per-node CPU bytes, how it was computed) for the ZeRO stage and offload in use."""
     if zero is None:
@@ -286,7 +292,7 @@ def deepspeed_buffers(m: ModelShape, zero: dict | None, world: int, dtype_bytes:
     out = {}
     if not off_opt:
         # The optimizer step upcasts one sub-group of gradients to fp32 at a time.
-        out["fp32 grad sub-group"] = 4 * min(_num(zero.get("sub_group_size"), 10 ** 9), per_rank)
+        out["fp32 grad sub-group"] = 4 * min(sub_group_size(zero), per_rank)
     # The Trainer fills the 'auto' buckets from the hidden size: h^2 and 0.9 h^2 elements.
     reduce = _num(zero.get("reduce_bucket_size"), h * h) * dtype_bytes
     out["reduce bucket"] = reduce * (2 if zero.get("overlap_comm", True) else 1)  # double-buffered with overlap
@@ -315,15 +321,33 @@ def offload_handoff_bytes(m: ModelShape, zero: dict | None, world: int, accum_by
     return (2 * accum_bytes + 8) * math.ceil(m.largest_layer_params / world)
 
 
+# What the collators hand the Trainer per micro-batch: three int64 tensors of micro x seq (zerotune train/args.py
+# collate_packed: input_ids, labels, position_ids; make_collate_padded: input_ids, labels, attention_mask).
+BATCH_TENSORS = 3
+
+
+def prefetched_batches_bytes(micro: int, seq: int, grad_accum: int, tensors: int = BATCH_TENSORS) -> int:
+    """The micro-batches of one optimizer step resident on the GPU together.
+
+    transformers 5.23 trainer.py:1873 fetches all `grad_accum` micro-batches of an optimizer step before the
+    first forward (get_batch_samples, :2281-2296, appends next(epoch_iterator) GA times), and accelerate 1.15
+    data_loader.py:595-600 (DataLoaderShard.__iter__) moves each batch to the device before yielding it
+    (Trainer's Accelerator keeps device_placement=True, accelerator.py:2719-2730). So GA x micro x seq x
+    tensors x 8 B stay on the GPU for the whole step, and through the step's save and in-training evaluation
+    (the list is alive until the next step's fetch). Bounded by seq: padded batches are at most seq long."""
+    return grad_accum * tensors * micro * seq * 8
+
+
 def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, attention: str, liger: bool,
                      checkpointing: bool, packing: bool, zero: dict | None, gpus_per_node: int, nodes: int,
                      gpu_is_cuda: bool = True, peft: tuple[str, int] | None = None,
                      capability: tuple[int, int] | None = None, lm_head_trainable: bool | None = None,
-                     grad_accum_bytes: int | None = None) -> dict:
+                     grad_accum_bytes: int | None = None, grad_accum: int = 1) -> dict:
     """Ordered {component: bytes} per GPU plus the peak (their sum) and notes. capability: the target GPU's
     (Liger's fused CE takes a costlier path below sm80); lm_head_trainable: default full fine-tuning only;
     grad_accum_bytes: DeepSpeed's gradient accumulation dtype (data_types.grad_accum_dtype; default: the
-    model's)."""
+    model's); grad_accum: micro-batches per optimizer step (all of them sit on the GPU together:
+    prefetched_batches_bytes)."""
     e = 2 if precision in ("fp16", "bf16") else 4
     world = gpus_per_node * nodes
     if peft is not None:  # (method, trainable params)
@@ -345,6 +369,10 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     else:
         parts["activations (all layers)"] = act["forward_end"] - act["loss_saved"]
     parts["attention mask"] = persistent_mask_bytes(micro, seq, e, attention, packing)
+    # The in-flight micro-batch's input_ids are already counted with the activations (act["small"]: the
+    # embedding saves them); every other tensor of the step's micro-batches is counted here.
+    batches = prefetched_batches_bytes(micro, seq, grad_accum)
+    parts["GA micro-batches (prefetched)"] = batches - 8 * micro * seq
     head_trainable = peft is None if lm_head_trainable is None else lm_head_trainable
     logits, logits_how = logits_loss_bytes(m, micro * seq, e, liger, capability, head_trainable)
     fallback = liger_fallback_bytes(m, e, liger, capability, head_trainable)
@@ -356,13 +384,19 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
         logits_how += (f" + sm<80 fallback transient {fallback / GiB:.2f} GiB (forward only; counted beyond the "
                        f"{recompute / GiB:.2f} GiB backward recompute it cannot coexist with)")
     parts["logits + loss"] = logits
+    # Freed before the two transients below: activations, the mask and the logits (not the micro-batches).
+    transient = sum(parts.values()) - states - sum(buffers.values()) - parts["GA micro-batches (prefetched)"]
     # The offload hand-off happens at the end of backward, after every activation and the logits are freed:
     # only what exceeds them raises the peak.
     handoff = offload_handoff_bytes(m, zero, world, grad_accum_bytes or e)
-    if handoff:
-        outlived = sum(parts.values()) - states - sum(buffers.values())  # activations, mask, logits
-        if handoff > outlived:
-            parts["offload grad hand-off (end of backward)"] = handoff - outlived
+    # At the step boundary the next step's micro-batches are fetched while the last step's list is still bound
+    # (trainer.py:1873 assigns batch_samples only when get_batch_samples returns): twice the batches, with no
+    # activations alive. Only what exceeds the freed activations raises the peak (never at realistic GA).
+    # The two happen at different times: the larger excess counts.
+    if max(handoff, batches) > transient:
+        name = ("offload grad hand-off (end of backward)" if handoff >= batches
+                else "next step's micro-batches (step boundary)")
+        parts[name] = max(handoff, batches) - transient
     # Fragmentation, CUDA context, NCCL and the allocated/reserved/nvidia-smi views: calibration.py
     allocated = sum(parts.values())
     parts.update(extra := calibration.overheads(allocated, world=world, gpu_is_cuda=gpu_is_cuda))

@@ -158,7 +158,7 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     from transformers import Trainer
 
     from .. import ds_config, faults
-    from ..checkpoint import CommitCheckpoints
+    from ..checkpoint import CommitCheckpoints, EndAtLastStep
     from ..evaluation import EvalDuringTraining
     from ..metrics import StepMetrics, flops_per_token
 
@@ -170,7 +170,8 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     commit = CommitCheckpoints(r.train.save_total_limit)
     trainer = Trainer(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
                       # validation after CommitCheckpoints: a step is committed before it is validated
-                      callbacks=[metrics, stop, commit, EvalDuringTraining(r, metrics, run.choice.liger, stop),
+                      callbacks=[EndAtLastStep(), metrics, stop, commit,
+                                 EvalDuringTraining(r, metrics, run.choice.liger, stop),
                                  *faults.callbacks(model)])
     metrics.attach(trainer)
     metrics.count_labels(model)
@@ -201,11 +202,15 @@ def choose_resume(r: Recipe, run: Run, metrics):
 def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
     """trainer.train; returns the seconds it took. A signal or the deadline ends the process here with
     REQUEUE_EXIT after writing stopped.json (a committed checkpoint, or none before the first step)."""
-    from ..checkpoint import REQUEUE_EXIT, StopBeforeTraining, describe_failure, last_committed, step_of
+    from ..checkpoint import (REQUEUE_EXIT, StopBeforeTraining, TrainingComplete, describe_failure, last_committed,
+                              step_of)
 
     t0 = time.time()
     try:
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    except TrainingComplete as e:  # the weights are loaded: what is left is the end of training, then finalize
+        run.say(f"{e}: nothing left to train")
+        trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
     except StopBeforeTraining as e:
         run.say(f"{e}: stopping without a new checkpoint; a rerun resumes from {resume or 'the beginning'}")
         if run.rank == 0:

@@ -1,0 +1,287 @@
+"""The peak of every phase of a training job, not only the training step: what each phase holds at its worst
+instant, per GPU (or on the host where host RAM is what runs out), against what the device offers.
+
+    train_step    forward + backward of one micro-batch (memory.memory_breakdown)
+    validation    the in-training eval loss: one no-grad forward per eval row of seq_len (evaluation.py nll_sum)
+    samples       greedy generate() with a KV cache on eval.samples prompts (evaluation.py _samples)
+    save          a checkpoint: ZeRO-3 16-bit consolidation + each rank's optimizer shard (GPU; save_host: RAM)
+    resume        DeepSpeed load_checkpoint of the ZeRO-3 optimizer shards (GPU; resume_host: RAM)
+    finalize      rank 0's CPU process that verifies and publishes the model (host RAM, planner/finalize.py)
+    quantize      llama.cpp's convert_hf_to_gguf.py on the published 16-bit model (host RAM)
+
+Outside the training step every phase shares what stays resident between steps: the model states (the same
+DeepSpeed estimate as the step), DeepSpeed's reduce buckets (allocated once, deepspeed 0.19.8
+runtime/zero/stage3.py:781-782) and the step's micro-batches, which stay bound until the next step fetches
+its own (memory.prefetched_batches_bytes). The fp32 gradient sub-group is not: the optimizer step frees it
+(stage3.py:2731-2735, _release_sub_group). Each phase's tensors are modelled term by term from the pinned
+sources (transformers 5.23.0, deepspeed 0.19.8, liger-kernel 0.8.5, accelerate 1.15.0, torch 2.13); the same
+calibration overheads as the training step (fragmentation, CUDA context, NCCL) are added to every GPU phase.
+"""
+
+from __future__ import annotations
+
+import math
+
+from . import calibration
+from .finalize import INTERPRETER_BYTES, finalize_host_bytes
+from .memory import (GiB, ModelShape, _attention_has_mask, deepspeed_buffers, persistent_mask_bytes,
+                     prefetched_batches_bytes, sub_group_size)
+
+MODEL_STATES = "model states (DeepSpeed estimator)"
+
+
+def _phase(parts: dict, capacity: int, limit: str, what: str, fix: str, runs: bool = True) -> dict:
+    peak = sum(parts.values())
+    return {"peak_bytes": peak, "fits": peak <= capacity, "limit": limit, "capacity_bytes": capacity,
+            "what": what, "fix": fix, "runs": runs, "parts": parts}
+
+
+def _gpu_phase(tensors: dict, capacity: int, world: int, on_gpu: bool, what: str, fix: str, runs: bool = True):
+    """A GPU phase: its tensors plus the overheads every GPU phase carries (calibration.overheads), and the
+    allocated / reserved / nvidia-smi views of its peak as for the training step (calibration.views)."""
+    parts = dict(tensors)
+    extra = calibration.overheads(sum(tensors.values()), world=world, gpu_is_cuda=on_gpu)
+    parts.update(extra)
+    return {**_phase(parts, capacity, "gpu" if on_gpu else "host", what, fix, runs),
+            "views": calibration.views(sum(tensors.values()), extra, on_gpu)}
+
+
+# ---------------------------------------------------------------------------------------------
+# No-grad forward (validation, generation prefill)
+# ---------------------------------------------------------------------------------------------
+
+def nograd_layer_bytes(m: ModelShape, tokens: int, e: int, *, mask_rows: int = 0, liger: bool) -> dict:
+    """Peak bytes inside one decoder layer under torch.no_grad(), beyond the residual stream entering it.
+    Nothing is saved for backward; what is alive is the layer's own temporaries (transformers 5.23
+    models/llama/modeling_llama.py, LlamaDecoderLayer.forward: `residual` + the block's input and output).
+
+    mask_rows: S when a dense (1, 1, S, S) mask reaches SDPA (packed rows), else 0 (is_causal, no mask).
+      Then integrations/sdpa_attention.py:137-138 repeats k and v to all query heads (use_gqa_in_sdpa, :52,
+      needs attention_mask None) and the kernel gets the bool mask converted to the query dtype: S x S x e.
+    Blocks (the largest counts, they run one after another):
+      norm       HF LlamaRMSNorm upcasts: the fp32 input and its pow(2) (8 B x T x h); Liger's kernel writes
+                 only its output and 1/rms.
+      attention  normed input, q, k, v; then RoPE (HF `(q * cos) + (rotate_half(q) * sin)`: three q-sized
+                 temporaries at its peak; Liger: contiguous copies of q and k) or SDPA (repeated k, v + mask
+                 cast + output and its .contiguous() copy, sdpa_attention.py:206).
+      mlp        post-attention norm output + gate, up and their product (HF: act(gate), up, product alive
+                 together; Liger's SwiGLU kernel: gate, up, output): 3 x e x T x intermediate.
+    """
+    T, h = tokens, m.hidden
+    norm = e * T * h + 4 * T if liger else 8 * T * h
+    qkv = e * T * (m.q_dim + 2 * m.kv_dim)
+    rope = e * T * (m.q_dim + m.kv_dim) if liger else 3 * e * T * m.q_dim
+    sdpa = 2 * e * T * m.q_dim  # output + contiguous copy
+    if mask_rows:
+        sdpa += 2 * e * T * m.q_dim + e * mask_rows * mask_rows  # repeat_kv'd k, v + mask in the query dtype
+    attention = e * T * h + qkv + max(rope, sdpa)
+    mlp = e * T * h + 3 * e * T * m.intermediate
+    blocks = {"norm": norm, "attention": attention, "mlp": mlp}
+    return {"blocks": blocks, "peak": max(blocks.values()), "residual": e * T * h}
+
+
+def eval_loss_bytes(m: ModelShape, tokens: int, e: int, fused: bool) -> tuple[int, str]:
+    """Bytes of the output layer + loss for one eval forward of `tokens` tokens (no grad).
+
+    fused (Liger on; evaluation.nll_sum passes skip_logits=True): liger_kernel 0.8.5
+      transformers/model/llama.py:118-127 calls LigerForCausalLMLoss, whose ops/fused_linear_cross_entropy.py
+      allocates grad_input = zeros_like(input) even without grad (:108), loss_1d in fp32 (:125) and one logits
+      chunk of next_pow2(ceil(T / ceil(V / h))) rows x V (:103-104, :150-152); labels padded and shifted
+      (transformers/model/loss_utils.py:87-88: two int64 copies).
+    not fused (Liger off, or Liger without skip_logits): transformers keeps the model-dtype logits
+      (models/llama/modeling_llama.py:468) while ForCausalLMLoss upcasts them (loss/loss_utils.py:61) and
+      cross_entropy materialises the fp32 log-softmax: (e + 4 + 4) B x vocab x tokens.
+    """
+    T, V = tokens, m.vocab
+    labels = 8 * (T + 1) + 8 * T
+    if fused:
+        inc = math.ceil(V / m.hidden)
+        chunk = min(T, 1 << max(0, math.ceil(math.log2(math.ceil(T / inc)))))
+        return (chunk * V * e + e * T * m.hidden + 4 * T + T + labels,
+                f"Liger fused CE: {chunk}-token logits chunk + zeroed input-grad buffer")
+    return (e + 8) * T * V + labels, f"full logits ({8 * e}-bit) + fp32 upcast + fp32 log-softmax"
+
+
+def nograd_forward_parts(m: ModelShape, tokens: int, e: int, *, mask_rows: int, liger: bool,
+                         loss: tuple[int, str] | None) -> dict:
+    """The transient terms of one no-grad forward: the largest layer block over the residual stream, or the
+    output layer (final norm output + loss / last-token logits) - whichever is larger (they are sequential)."""
+    layer = nograd_layer_bytes(m, tokens, e, mask_rows=mask_rows, liger=liger)
+    head = e * tokens * m.hidden + (loss[0] if loss else 0)
+    rope = 2 * tokens * m.head_dim * e  # cos, sin for the row, shared by all layers
+    out = {"rotary cos/sin": rope}
+    if layer["residual"] + layer["peak"] >= head:
+        out["residual stream"] = layer["residual"]
+        out[f"one layer, no grad ({max(layer['blocks'], key=layer['blocks'].get)} block)"] = layer["peak"]
+    else:
+        out[f"output layer: {loss[1] if loss else 'last-token logits'}"] = head
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The phases
+# ---------------------------------------------------------------------------------------------
+
+def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, liger: bool, packing: bool,
+               zero: dict | None, world: int, gpus_per_node: int, on_gpu: bool, seq: int, micro: int,
+               grad_accum: int, trainable: int, peft: tuple[str, int] | None, gpu_capacity: int,
+               host_capacity: int, validation_runs: bool, samples: int, max_new_tokens: int,
+               quant_type: str) -> dict:
+    """{phase: {peak_bytes, fits, limit, capacity_bytes, what, fix, runs, parts}} for one training job.
+    `train` is memory.memory_breakdown's result for the recipe's own seq_len and micro-batch."""
+    e = train["dtype_bytes"]
+    states = train["parts"][MODEL_STATES]
+    offload = zero is not None and (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+    ds = deepspeed_buffers(m, zero, world, e)
+    batches = prefetched_batches_bytes(micro, seq, grad_accum)
+    resident = {MODEL_STATES: states}
+    if "reduce bucket" in ds:
+        resident["reduce bucket"] = ds["reduce bucket"]
+    resident["GA micro-batches (still bound)"] = batches
+    # A ZeRO-3 forward gathers layers ahead: prefetch bucket + live parameters (as in the training step)
+    gathering = {k: ds[k] for k in ("prefetch bucket", "live gathered params") if k in ds}
+    out = {}
+
+    out["train_step"] = {**_phase(train["parts"], gpu_capacity, "gpu" if on_gpu else "host",
+                                  f"forward + backward of {micro} x {seq:,} tokens (the breakdown above)",
+                                  "see the training-step breakdown and suggestions"), "views": train["views"]}
+
+    # validation: evaluation.nll_sum, one row of <= seq tokens per forward, model.eval(), no grad, use_cache
+    # False: packed position_ids give the block-causal mask (masking_utils.py:875-881) as in training.
+    mask = _attention_has_mask(attention, packing, 1)
+    val = {**resident, **gathering, "eval row (input_ids, labels, position_ids)": 3 * 8 * seq,
+           "attention mask": persistent_mask_bytes(1, seq, e, attention, packing),
+           **nograd_forward_parts(m, seq, e, mask_rows=seq if mask else 0, liger=liger,
+                                  loss=eval_loss_bytes(m, seq, e, fused=liger))}
+    out["validation"] = _gpu_phase(
+        val, gpu_capacity, world, on_gpu, f"eval loss, one {seq:,}-token row per forward, no grad",
+        ("lower data.seq_len or use more GPUs (plan.gpus_per_node, plan.nodes)" if liger else
+         "set train.liger=on (fused loss, no logits) or lower data.seq_len"), runs=validation_runs)
+
+    # samples: generate() greedy with a DynamicCache. The prompt's length is unknown before the tokenizer runs:
+    # bounded by data.seq_len (held-out prompts are shorter than the training rows). An all-ones attention
+    # mask lets SDPA run is_causal without a mask (masking_utils.py:267-300, _ignore_causal_mask_sdpa) and
+    # native GQA (sdpa_attention.py:52). generate() asks for the last position's logits only
+    # (generation/utils.py:2950-2954, logits_to_keep=1) and copies them to fp32 (:3247).
+    prompt, total = seq, seq + max_new_tokens
+    kv = 2 * m.layers * m.kv_dim * e  # K and V per token, all layers (cache_utils DynamicLayer)
+    prefill = {"KV cache (prompt)": kv * prompt,
+               "prompt (input_ids, attention_mask)": 2 * 8 * prompt,
+               **nograd_forward_parts(m, prompt, e, mask_rows=0, liger=liger,
+                                      loss=(m.vocab * (e + 4), "last-token logits"))}
+    # decoding: the cache at its longest; DynamicLayer.update concatenates one layer's K and V (old + new alive)
+    decode = {"KV cache (prompt + answer)": kv * total, "cache concat (one layer)": 2 * m.kv_dim * e * total,
+              "last-token logits": m.vocab * (e + 4)}
+    gen = prefill if sum(prefill.values()) >= sum(decode.values()) else decode
+    out["samples"] = _gpu_phase(
+        {**resident, **gathering, **gen}, gpu_capacity, world, on_gpu,
+        f"greedy generate, prompt <= {prompt:,} + {max_new_tokens} new tokens, KV cache",
+        "set eval.samples=0 or lower data.seq_len", runs=samples > 0)
+
+    # save (Trainer._save_checkpoint, trainer.py:3355-3392): save_model (:3369), then the optimizer shards (:3392).
+    #   GPU: deepspeed runtime/engine.py:5654-5687 gathers one module's parameters at a time
+    #   (GatheredParameters, inside the estimator's 4 B x largest layer) and copies them to rank 0's host
+    #   (:5675 param.detach().cpu()); torch.save then writes each rank's shard (engine.py:5549-5564 ->
+    #   checkpoint_engine torch.save), copying one storage at a time to the host (torch serialization.py
+    #   :1279-1312). No activations: the step is over.
+    out["save"] = _gpu_phase(resident, gpu_capacity, world, on_gpu,
+                             "checkpoint: gather 16-bit weights module by module, write shards",
+                             "add GPUs or offload the optimizer (train.zero.offload_optimizer)")
+    ranks = gpus_per_node
+    per_rank = math.ceil(trainable / world) if zero is not None else trainable  # ZeRO partitions optimizer states
+    cpu_states = train.get("cpu_bytes_per_node", 0) if offload else 0
+    host = {"rank processes (1 GiB each: a floor, measured without CUDA)": ranks * INTERPRETER_BYTES}
+    if cpu_states:
+        host["offloaded optimizer states (DeepSpeed estimator, pinned)"] = cpu_states
+    consolidated = (e * trainable if peft else e * m.n_params)  # peft: only the adapter (trainer.py:4110)
+    # torch.save stages one storage at a time: a ZeRO sub-group's flat fp32 tensor (or one Adam moment of it);
+    # without ZeRO the largest parameter's moment
+    storage = min(sub_group_size(zero), per_rank) if zero is not None else m.largest_layer_params
+    staged = 0 if offload else ranks * 4 * storage
+    host["16-bit weights consolidated on rank 0" if consolidated >= staged else
+         "optimizer shard storages staged by torch.save (one per rank)"] = max(consolidated, staged)
+    out["save_host"] = _phase(host, host_capacity, "host",
+                              "checkpoint on the first node: 16-bit state dict on rank 0, then one storage per rank",
+                              "raise plan.cpu_ram_gb (sbatch --mem) or use fewer GPUs per node")
+
+    # resume: transformers integrations/deepspeed.py:680-695 -> engine.load_checkpoint; each rank torch.loads
+    # only its own shard to the host (engine.py:4802-4830, map_location='cpu'), then the optimizer's
+    # load_state_dict (stage3.py:3540-3553 -> torch optim/optimizer.py:881-1018) copies every Adam moment to
+    # the parameter's device (:964-1003, _cast) while the live moments stay referenced until __setstate__
+    # (:1018): +8 B per trainable parameter of the rank on the GPU (none under offload: .to() of a CPU tensor
+    # to the CPU is the tensor itself). The fp32 master weights are copied in place (stage3.py:3570-3571).
+    # Before the first step: no batches.
+    copies = 0 if offload else 8 * per_rank
+    res = {MODEL_STATES: states, **({"reduce bucket": ds["reduce bucket"]} if "reduce bucket" in ds else {}),
+           "loaded Adam moments beside the live ones": copies}
+    out["resume"] = _gpu_phase(res, gpu_capacity, world, on_gpu,
+                               "load the optimizer shards: Adam moments copied beside the live ones",
+                               "offload the optimizer (train.zero.offload_optimizer={device: cpu}) or add GPUs")
+    host = {"rank processes (1 GiB each: a floor, measured without CUDA)": ranks * INTERPRETER_BYTES}
+    if cpu_states:
+        host["offloaded optimizer states (DeepSpeed estimator, pinned)"] = cpu_states
+    host["optimizer shards loaded (fp32 master + Adam m, v), every rank"] = ranks * 12 * per_rank
+    out["resume_host"] = _phase(host, host_capacity, "host",
+                                "resume on one node: every rank's 12 B x its trainable parameters in RAM",
+                                "raise plan.cpu_ram_gb (sbatch --mem) or use fewer GPUs per node")
+
+    fin = finalize_host_bytes(m, precision, peft)
+    out["finalize"] = _phase(fin["parts"], host_capacity, "host",
+                             "verify" + (" + merge" if peft else "") + " after training, one CPU process",
+                             "request more memory (sbatch --mem) or run finalize on a larger host")
+    q = quantize_host_bytes(m, precision, quant_type)
+    out["quantize"] = _phase(q["parts"], host_capacity, "host", q["what"],
+                             "run `zerotune quantize` on a host with more RAM")
+    return out
+
+
+# llama.cpp's quantizer works in slabs of rows below this many bytes (src/llama-quant.cpp:42,
+# LLAMA_QUANT_MAX_BUF_SIZE = 8 GiB; :1320-1322 nrows_slab), in the llama-cpp-python 0.3.36 sdist.
+LLAMA_QUANT_MAX_BUF = 8 * GiB
+
+
+def quantize_host_bytes(m: ModelShape, precision: str, quant_type: str) -> dict:
+    """Peak host RAM of `zerotune quantize` (quantize.py): llama.cpp's convert_hf_to_gguf.py on the published
+    model (in the training dtype), then for K-quants llama.cpp's quantizer on the f16 GGUF. Sources: the
+    converter shipped in the llama-cpp-python 0.3.36 sdist (assets/llama.cpp after `make setup`).
+
+    The converter is lazy (conversion/base.py:149, lazy unless --no-lazy): tensors are indexed from a
+    memory-mapped safetensors file (:266-283; gguf-py/gguf/utility.py:286-287, np.memmap) and each is computed
+    only when the writer writes it, one at a time, then dropped (gguf-py/gguf/gguf_writer.py:470-484,
+    `ti.tensor.tofile(fout)`, `ti.tensor = None`; lazy.py:224-226). The mapped file's pages are page cache
+    (clean, reclaimable under a memory limit), not counted. Per tensor, in anonymous memory:
+      a dtype conversion: bf16 weights become fp32 first (conversion/base.py:1065-1066), 4 B/weight;
+      the output: q8_0 and bf16 go through _apply_over_grouped_rows (gguf-py/gguf/quants.py:29-39), which
+        holds every 16-row group's result in a list beside the concatenated output: 2 x the output; f16/f32
+        are an astype (quants.py:57-62), a copy only when the dtype changes.
+    K-quants: llama_model_quantize converts each slab of rows to fp32 and quantizes it into a work buffer
+    (src/llama-quant.cpp:1320-1356): (4 + output) B/weight of the largest tensor, at most 8 GiB per slab.
+    The largest tensor of a Llama model is the embedding or lm_head (vocab x hidden)."""
+    from ..quant_types import QUANT_TYPES
+
+    q = QUANT_TYPES[quant_type.lower()]
+    largest = max(m.vocab, m.intermediate) * m.hidden
+    parts = {"interpreter + libraries (torch, gguf, tokenizer)": INTERPRETER_BYTES}
+    out_type = quant_type.lower() if q.producer == "converter" else "f16"
+    out_bpw = QUANT_TYPES[out_type].bpw / 8
+    conv = 4 * largest if precision == "bf16" else 0
+    if out_type in ("f16", "f32"):
+        same = (out_type == "f16" and precision == "fp16") or (out_type == "f32" and precision == "fp32")
+        out = 0 if (same and not conv) else int(out_bpw * largest)
+    else:
+        out = int(2 * out_bpw * largest)
+    converter = conv + out
+    what = f"convert_hf_to_gguf.py --outtype {out_type}, lazily, one tensor at a time"
+    if q.producer == "quantizer":
+        # per row: f16 source (memory-mapped from the f16 GGUF) + fp32 copy + output; only the last two are ours
+        slab_weights = min(largest, int(LLAMA_QUANT_MAX_BUF // (2 + 4 + q.bpw / 8)))
+        quantizer = int((4 + q.bpw / 8) * slab_weights)
+        what += f", then llama.cpp's quantizer to {quant_type}"
+        if quantizer > converter:
+            parts[f"quantizer: fp32 slab + {quant_type} output (largest tensor)"] = quantizer
+            return {"parts": parts, "peak_bytes": sum(parts.values()), "what": what}
+    if conv:
+        parts["largest tensor as fp32 (bf16 source)"] = conv
+    grouped = out_type not in ("f16", "f32")
+    parts[f"largest tensor's {out_type} output" + (" (+ its row-group list)" if grouped else "")] = out
+    return {"parts": parts, "peak_bytes": sum(parts.values()), "what": what}

@@ -1,0 +1,70 @@
+"""Rehearsal of the llama8b_zero3 job's event sequence on CPU (issue 29).
+
+The 8B recipe's own settings that shape the job's events (a checkpoint every step, validation only at the last
+step, how many checkpoints are kept) run on the tiny model under real ZeRO-3 on 2 CPU ranks, through the CLI a
+user runs. The phase the suite used never to reach: the last step's validation fails (as an eval forward that
+materialises the logits runs out of memory on a V100 at 16K). The step must already be committed, and the job
+that comes back (a requeue: the same command) must get through the preflight with the run's checkpoints on disk,
+validate, and finish.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, _zt, read_metrics, zt
+
+pytestmark = pytest.mark.integration
+
+
+def _event_settings() -> list[str]:
+    """The llama8b_zero3 values of what decides when saves and validations happen (read, not copied)."""
+    from zerotune.config import load_recipe
+
+    t = load_recipe("llama8b_zero3").train
+    return [f"train.save_steps={t.save_steps}", f"train.save_total_limit={t.save_total_limit}",
+            f"train.eval_steps={t.eval_steps}"]
+
+
+def test_the_last_step_is_committed_before_its_validation_and_the_requeued_job_finishes(tmp_path):
+    out = tmp_path / "run"
+    zt("prepare", "tiny", f"output_dir={out}")
+    args = ["train", "tiny", f"output_dir={out}", "train.max_steps=3", "train.logging_steps=1", *_event_settings()]
+    env = {**os.environ, "ZEROTUNE_FAULT_EVAL_OOM_STEP": "3"}
+    proc = subprocess.run([sys.executable, "-m", "zerotune", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, log[-3000:]
+    assert "CUDA out of memory (injected)" in log, log[-3000:]
+    ckpts = out / "checkpoints"
+    assert (ckpts / "checkpoint-3" / "zerotune_commit.json").exists(), "the last step was lost with its validation"
+    assert log.index("checkpoint: committed checkpoint-3") < log.index("CUDA out of memory (injected)")
+    assert sorted(p.name for p in ckpts.iterdir()) == ["checkpoint-2", "checkpoint-3"]  # save_total_limit 2
+    assert not (out / "model").exists()
+
+    # the requeued job's disk preflight, on a file system with less free space than a fresh run needs: the run's
+    # own committed checkpoints (the real ones just written) count as used, so it goes on
+    import shutil
+    from collections import namedtuple
+
+    from zerotune.config import load_recipe
+    from zerotune.plan import disk_preflight
+
+    r = load_recipe("tiny", args[2:])
+    fresh = disk_preflight(r, out)["peak_bytes"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(10 * fresh, 0, fresh - 1))
+        d = disk_preflight(r, out)
+    assert d["held"]["checkpoints"] == 2 and d["needed_free_bytes"] < fresh - 1
+
+    log2 = _zt(*args)  # the requeued job: the same command
+    assert "resuming from committed checkpoint" in log2 and "checkpoint-3" in log2
+    assert "train: eval: step 3, val_loss" in log2, log2[-3000:]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3], "each step once, none retrained"
+    assert "val_loss" in rows[-1], "the validation amends the last step's row"
+    assert (out / "model" / "config.json").exists()
