@@ -10,7 +10,7 @@
    within that bound of the base model's.
 2. Per-token agreement on held-out text from the prepared data: mean
    KL(HF || GGUF), top-1 agreement and perplexity ratio.
-3. T4 fit: weights + f16 KV cache at the recipe's context against 14.6 GiB.
+3. T4 fit: weights + f16 KV cache at the recipe's context against what PyTorch reports usable (hardware.GPUS["t4"]).
 4. Prompt and decode tokens/s of the GGUF on this machine.
 Writes check.json; exits 1 when a gate fails.
 """
