@@ -4,8 +4,12 @@ ARGS ?=
 PY := .venv/bin/python
 ZT := $(PY) -m zerotune
 export HF_HUB_OFFLINE ?= 0
-# the same cache as slurm/env.sh: `make fetch` on a login node fills what the compute nodes' preflight reads
-export HF_HOME ?= $(CURDIR)/.cache/huggingface
+# the same cache as slurm/env.sh: `make fetch` on a login node fills what the compute nodes' preflight reads;
+# the token stays where `hf auth login` (run without HF_HOME) put it
+ifndef HF_HOME
+export HF_HOME := $(CURDIR)/.cache/huggingface
+export HF_TOKEN_PATH ?= $(HOME)/.cache/huggingface/token
+endif
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup fetch data finetune quantize check eval serve plan demo lint test test-fast bench bench-quant clean help gpu-check

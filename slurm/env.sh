@@ -11,7 +11,11 @@
 # -----------------------------------------------------------------------------------------------
 
 export ZEROTUNE_PY="${ZEROTUNE_PY:-$PWD/.venv/bin/python}"
-export HF_HOME="${HF_HOME:-$PWD/.cache/huggingface}"          # weights + datasets cache on shared storage
+if [[ -z "${HF_HOME:-}" ]]; then
+  export HF_HOME="$PWD/.cache/huggingface"                    # weights + datasets cache on shared storage
+  # ...but the token where `hf auth login` (run without HF_HOME) put it, not under the moved HF_HOME
+  export HF_TOKEN_PATH="${HF_TOKEN_PATH:-$HOME/.cache/huggingface/token}"
+fi
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}"   # DeepSpeed JIT ops, built once
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$PWD/.cache/triton}"   # Liger kernels
 export TOKENIZERS_PARALLELISM=false

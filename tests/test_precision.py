@@ -168,21 +168,20 @@ def test_lm_head_overflow_that_the_loss_scaler_resolves_does_not_stop_the_run(tm
     assert [r["lm_head_grad_nonfinite_unscaled"] for r in cb.rows] == [0] * 6  # no Liger here: nothing before scaling
 
 
-def test_lm_head_overflow_that_persists_at_the_minimum_scale_stops_the_run(tmp_path):
-    from zerotune.metrics import FP16OverflowError
+def test_overflow_at_deepspeeds_minimum_scale_stops_the_run_in_our_words():
+    """One that persists down to the minimum scale stops the run: DeepSpeed's real scaler raises inside
+    optimizer.step (before any callback), and the worker re-raises it as FP16OverflowError with what to do."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    model = _tiny_llama(torch.float32)
-    cb = StepMetrics(tmp_path / "m.jsonl", tokens_per_step=64, label_fraction=1.0, flops_tok=1.0,
-                     peak_tflops=None, world_size=1, max_overflows_at_min_scale=5)
-    cb.watch_grads(model, check_lm_head=True)
-    cb.trainer = SimpleNamespace(model_wrapped=_fp16_engine(1.0, overflow=True))
-    args = SimpleNamespace(fp16=True, device=torch.device("cpu"))
-    w = model.get_output_embeddings().weight
-    (w * float("inf")).sum().backward()
-    cb.on_step_end(args, SimpleNamespace(global_step=1), None)
-    (w * float("inf")).sum().backward()
-    with pytest.raises(FP16OverflowError, match="lm_head's gradient overflowed in 2 steps in a row at the minimum"):
-        cb.on_step_end(args, SimpleNamespace(global_step=2), None)
+    from zerotune.metrics import FP16OverflowError, scaler_gave_up
+
+    scaler = DynamicLossScaler(init_scale=1, scale_window=1000, min_scale=1, delayed_shift=1,
+                               consecutive_hysteresis=False)  # hysteresis spent, at fp16.min_loss_scale
+    with pytest.raises(Exception) as caught:
+        scaler.update_scale(True)
+    err = scaler_gave_up(caught.value)
+    assert isinstance(err, FP16OverflowError) and "minimum loss scale" in str(err) and "train.lr" in str(err)
+    assert scaler_gave_up(RuntimeError("CUDA out of memory")) is None
 
 
 def test_lm_head_gradient_non_finite_before_scaling_stops_at_once(tmp_path):

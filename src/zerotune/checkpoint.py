@@ -302,6 +302,12 @@ class StopOnSignal(TrainerCallback):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    @classmethod
+    def _all_ranks(cls, args, local: bool) -> bool:
+        """True only if true on every rank: a decision that leads ranks into different collectives must agree
+        (a SIGTERM, the clock and the measured save time are each rank's own)."""
+        return cls._max_over_ranks(args, 0.0 if local else 1.0) == 0
+
     def on_train_begin(self, args, state, control, **kw):
         if self._max_over_ranks(args, 1.0 if self.requested else 0.0) > 0:
             raise StopBeforeTraining(f"{self.requested or 'a signal on another rank'} received before the first step")
@@ -337,8 +343,8 @@ class StopOnSignal(TrainerCallback):
         local = 2.0 if self.requested else 1.0 if out_of_time(now, self.deadline, step_s, self.save_s) else 0.0
         flag = self._max_over_ranks(args, local)
         save_s = self.save_s if self.save_s is not None else step_s
-        if flag > 0 and state.global_step >= state.max_steps and self.requested in (None, "SIGUSR1") \
-                and finalize_fits(now, self.deadline, save_s or 0.0):
+        if flag > 0 and state.global_step >= state.max_steps and self._all_ranks(
+                args, self.requested in (None, "SIGUSR1") and finalize_fits(now, self.deadline, save_s or 0.0)):
             # the last step: the Trainer saves it and training ends anyway; finishing beats a requeue
             if state.is_world_process_zero:  # (a SIGTERM, a preemption or scancel, still stops: it may be final)
                 print(f"train: {'the deadline is near' if flag < 2 else self.requested + ' received'} at the last "

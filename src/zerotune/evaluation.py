@@ -106,6 +106,7 @@ class EvalDuringTraining(TrainerCallback):
         self.stop = stop
         self.eval_path = layout(r).data / "eval"
         self.samples_path = layout(r).samples
+        self.failed_path = layout(r).validation_failed
         self._ds = None
         self._prompts = None
         self._rewound = False
@@ -137,7 +138,18 @@ class EvalDuringTraining(TrainerCallback):
             # resumed at the last step (its validation failed, or the job stopped before it): no step ran in this
             # attempt, so nothing is pending; validate it now. (The Trainer restores global_step after
             # on_train_begin, transformers 5.23 trainer.py:1653 and :1697, so this cannot be decided earlier.)
-            self._pending = state.global_step
+            step = state.global_step
+            failed = mf.read(self.failed_path)
+            if failed and failed.get("step") == step:  # the same validation again would fail again: finish
+                if state.is_world_process_zero:
+                    print(f"train: eval: step {step} validation skipped: it failed in the previous attempt "
+                          f"({failed.get('error')}); finalizing without it (`zerotune eval` measures the model "
+                          "afterwards)", flush=True)
+                return
+            if state.is_world_process_zero:  # its earlier attempt's samples, if any, are replaced
+                mf.rewind_jsonl(self.samples_path, step - 1)
+            self._rewound = True
+            self._pending = step
         self._run_pending(args, state, model)  # the last step, when the recipe saves nothing
 
     def _run_pending(self, args, state, model) -> None:
@@ -155,7 +167,6 @@ class EvalDuringTraining(TrainerCallback):
         from . import faults
 
         t0 = time.perf_counter()
-        faults.eval_out_of_memory(step)
         was_training = model.training
         # generate() turns the KV cache back on in the model's config; training and the final probe rely on it
         # being off (packed position_ids give a block-causal mask only without a cache), so it is restored
@@ -166,8 +177,13 @@ class EvalDuringTraining(TrainerCallback):
             import torch
 
             with torch.no_grad():
+                faults.eval_out_of_memory(step)
                 row = self._val_loss(model, args.device)
                 samples = self._samples(model, args.device, step)
+        except Exception as e:  # the step is committed; a resumed job must not retry a validation that fails
+            if state.is_world_process_zero:
+                mf.write(self.failed_path, {"step": step, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            raise
         finally:
             model.train(was_training)
             if config is not None:

@@ -3,7 +3,8 @@
     <output_dir>/                     recipe `output_dir` (default runs/<recipe>)
       data/          prepare          train/ eval/ (Arrow), manifest.json (fingerprint, counts), lengths.png
       base/          train            a random init materialised from model.init_config (pretrained: model.name_or_path)
-      train/         train            metrics.jsonl, samples.jsonl, curves.png, manifest.json, recipe.resolved.yaml;
+      train/         train            metrics.jsonl, samples.jsonl, validation_failed.json, curves.png, manifest.json,
+                                      recipe.resolved.yaml;
                                       handoff between its processes: run.json, stopped.json, error*.json;
                                       between sbatch attempts: stopped_before_training.json
       checkpoints/   train            checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json)
@@ -79,6 +80,10 @@ class RunLayout:
     @property
     def samples(self) -> Path:
         return self.train / "samples.jsonl"
+
+    @property
+    def validation_failed(self) -> Path:  # an attempt -> the next: this step's validation failed, don't retry it
+        return self.train / "validation_failed.json"
 
     @property
     def run_json(self) -> Path:  # workers -> finalize: step, stop reason, timings

@@ -88,6 +88,27 @@ def _hms(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
+def _non_finite(g: torch.Tensor) -> torch.Tensor:
+    """1 if `g` holds an inf or NaN, as a tensor (no sync). Through its extremes: isfinite(g) of the vocab x hidden
+    lm_head gradient would allocate 2 bytes per element (about 1 GiB at 8B); amax/amin propagate NaN and inf."""
+    return (~torch.isfinite(torch.stack([g.amax(), g.amin()]))).any().int()
+
+
+def scaler_gave_up(exc: BaseException) -> FP16OverflowError | None:
+    """DeepSpeed's dynamic loss scaler raises a plain Exception on an overflow at the minimum scale once its
+    hysteresis is spent (deepspeed 0.19.8 runtime/fp16/loss_scaler.py:256-259; raise_error_at_min_scale is not
+    configurable, precision_config.py:202-209), inside optimizer.step, before any callback sees the step: the
+    run's own at-minimum count never gets there. Said in zerotune's words, or None for any other exception."""
+    if "loss scale already at minimum" not in str(exc):
+        return None
+    return FP16OverflowError(
+        "fp16 gradients overflowed again at DeepSpeed's minimum loss scale (fp16.min_loss_scale): training has "
+        "diverged, and a smaller scale is not allowed. metrics.jsonl shows the loss scale falling and, with Liger, "
+        "whether lm_head's gradient was inf/NaN before loss scaling (lm_head_grad_nonfinite_unscaled). Lower "
+        "train.lr, check the data for extreme samples, or use bf16 on sm80+ GPUs. The last committed checkpoint "
+        "is intact.")
+
+
 def liger_saved_head_grad(output) -> torch.Tensor | None:
     """The lm_head gradient Liger's fused linear cross entropy computed in forward and saved for backward
     (liger_kernel 0.8.5 ops/fused_linear_cross_entropy.py:574-578, saved_tensors = (grad_input, grad_weight,
@@ -124,7 +145,7 @@ class StepMetrics(TrainerCallback):
         self._grad_zero, self._grad_total = None, 0  # zero gradient elements / all, this step, this rank
         self.checking_head, self._head_bad = False, None  # micro-batches with a non-finite lm_head gradient
         self._head_unscaled_bad = None  # ... whose gradient was already non-finite before loss scaling (Liger)
-        self.head_bad_total, self._head_bad_at_min, self._head_unscaled_steps = 0, 0, 0
+        self.head_bad_total, self._head_unscaled_steps = 0, 0
         self.rows: list[dict] = []
         self.progress: Progress | None = None
 
@@ -190,14 +211,14 @@ class StepMetrics(TrainerCallback):
         head = model.get_output_embeddings() if check_lm_head and hasattr(model, "get_output_embeddings") else None
         if head is not None and head.weight.requires_grad:
             def head_hook(g):
-                bad = (~torch.isfinite(g)).any().int()
+                bad = _non_finite(g)
                 self._head_bad = bad if self._head_bad is None else self._head_bad + bad
                 return g
 
             def unscaled_hook(module, args, output):
                 g = liger_saved_head_grad(output) if module.training else None
                 if g is not None:
-                    bad = (~torch.isfinite(g)).any().int()
+                    bad = _non_finite(g)
                     self._head_unscaled_bad = bad if self._head_unscaled_bad is None else self._head_unscaled_bad + bad
 
             self._hooks.append(head.weight.register_hook(head_hook))
@@ -298,25 +319,20 @@ class StepMetrics(TrainerCallback):
     def safety_checks(self, row: dict, step: int, min_scale: float | None) -> None:
         """Stop the run (on every rank: the inputs were reduced) when fp16 cannot recover by itself. Each skipped
         step costs hours at 8B, so what loss scaling cannot cure stops at once; what it can, only when it persists
-        at the minimum scale (min_scale: DeepSpeed's; None without a loss scaler), where nothing is left to lower."""
+        at the minimum scale (min_scale: DeepSpeed's; None without a loss scaler), where nothing is left to lower.
+        DeepSpeed's own scaler raises there first (scaler_gave_up); the count is for a scaler that does not."""
         at_min = min_scale is not None and row.get("overflow", False) and row["loss_scale"] <= min_scale
         self._overflows_at_min = self._overflows_at_min + 1 if at_min else 0
         if row.get("lm_head_grad_nonfinite_unscaled"):
             self._head_unscaled_steps += 1
         else:
             self._head_unscaled_steps = 0
-        self._head_bad_at_min = self._head_bad_at_min + 1 if at_min and row.get("lm_head_grad_nonfinite") else 0
-        if self._head_unscaled_steps >= min(2, self.max_overflows):
+        if self._head_unscaled_steps >= min(2, self.max_overflows):  # Liger's own sum: no scale can cure it
             raise FP16OverflowError(
                 f"lm_head's gradient was inf/NaN before loss scaling in {self._head_unscaled_steps} steps in a row "
                 f"(step {step}): Liger's fused cross entropy sums it in fp16 in forward, so DeepSpeed lowering the "
                 "scale cannot fix it. Use train.liger=off with a shorter data.seq_len (`zerotune plan` shows what "
                 "fits), or bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
-        if self._head_bad_at_min >= min(2, self.max_overflows):
-            raise FP16OverflowError(
-                f"lm_head's gradient overflowed in {self._head_bad_at_min} steps in a row at the minimum loss scale "
-                f"{min_scale:g} (step {step}): training has diverged. Lower train.lr, check the data for extreme "
-                "samples, or use bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
         if self._overflows_at_min >= self.max_overflows:
             raise FP16OverflowError(
                 f"fp16 gradients overflowed {self._overflows_at_min} steps in a row at the minimum loss scale "

@@ -142,6 +142,15 @@ def load_model(r: Recipe, run: Run):
     model = AutoModelForCausalLM.from_pretrained(str(layout(r).base), attn_implementation=run.choice.attention,
                                                  **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
+    if run.choice.liger and run.args.deepspeed:
+        # Liger's fused loss reads lm_head.weight without calling lm_head (liger_kernel 0.8.5 transformers/model/
+        # llama.py:184-197). ZeRO-3 gathers such a read only inside the engine's forward, after it has seen one
+        # (deepspeed 0.19.8 runtime/zero/parameter_offload.py:71-88, engine.py:2953-2955); validation calls the
+        # module itself, and a job resumed at its last step runs no engine forward before it: the weight would be
+        # an empty partition there (Liger: ZeroDivisionError). Registered, it is gathered with the top module.
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(model, model.get_output_embeddings().weight)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())  # ZeRO-3 shards
     n_trainable = None
     if peft_utils.enabled(r):
@@ -192,6 +201,8 @@ def choose_resume(r: Recipe, run: Run, metrics):
         layout(r).train.mkdir(parents=True, exist_ok=True)
         layout(r).stopped.unlink(missing_ok=True)
         discard_after(layout(r).checkpoints, resume)
+        if resume is None:  # a fresh start: no earlier run's failed validation may excuse this run's
+            layout(r).validation_failed.unlink(missing_ok=True)
         metrics.rewind(step_of(resume) if resume else 0)
         if resume:
             run.say(f"resuming from committed checkpoint {resume}")
@@ -219,9 +230,14 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
         run.barrier()
         sys.exit(REQUEUE_EXIT)
     except Exception as e:
+        from ..metrics import scaler_gave_up
+
         # every rank says it: the rank that failed first may be the only one left to print anything
         print(f"[rank {run.rank}] " + describe_failure(e, layout(r).checkpoints, commit.saving), file=sys.stderr,
               flush=True)
+        fp16 = scaler_gave_up(e)
+        if fp16 is not None:
+            raise fp16 from e
         raise
     if stop.stopped_at is not None:
         if run.rank == 0:
