@@ -854,6 +854,9 @@ def _setup_1b(a, seed: int):
     config = llama32_1b_config()
     model = AutoModelForCausalLM.from_config(config, dtype=model_dtype(choice.precision), attn_implementation="sdpa")
     model.config.use_cache = False  # as train/worker.py: packed position_ids -> block-causal mask only without a cache
+    if choice.liger:
+        from zerotune.train.worker import gather_lm_head_with_model
+        gather_lm_head_with_model(model)  # as train/worker.py load_model
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
     if n_params != LLAMA32_1B_PARAMS:
         raise RuntimeError(f"the 1B config built {n_params:,} parameters, expected {LLAMA32_1B_PARAMS:,}")
@@ -971,6 +974,7 @@ def check_zero3_1b(a) -> dict:
             with m, torch.no_grad():
                 loss, count = _val_loss(model, val, dev, choice.liger)
             ok = math.isfinite(loss) and count > 0
+            info["val_loss"] = loss  # the resumed process must measure the same (check_zero3_1b_resume)
             rows.append(make_row(name, "ok" if ok else "FAIL",
                                  f"evaluation.nll_sum{' with skip_logits (Liger fused loss)' if choice.liger else ''}, "
                                  f"one {seq:,}-token packed row per forward, {N_VAL_ROWS} rows: loss {loss:.4f} "
@@ -1050,7 +1054,7 @@ def check_zero3_1b_resume(a) -> dict:
     saved = expect.get("fingerprint") or {}
     m = Measure()
     try:
-        trainer, *_ = _setup_1b(a, seed=4321)
+        trainer, _clock, choice, _bp, val, _config = _setup_1b(a, seed=4321)
         with m:
             trainer.train(resume_from_checkpoint=expect["checkpoint"])  # at max_steps: loads, trains no further step
         got = _fingerprint(trainer.model_wrapped)
@@ -1058,6 +1062,15 @@ def check_zero3_1b_resume(a) -> dict:
                     if got.get(k) is None or abs(got[k] - v) > 1e-6 * max(1.0, abs(v))]
         if not saved:
             problems.append("nothing to compare: the save phase gave no fingerprint")
+        # a job resumed at its last step validates with no engine forward before it (Liger reads lm_head.weight
+        # directly: it must be gathered, train/worker.py gather_lm_head_with_model); same weights, same loss
+        model = trainer.model
+        model.eval()
+        with torch.no_grad():
+            loss, count = _val_loss(model, val, torch.device("cuda"), choice.liger)
+        want = expect.get("val_loss")
+        if not (math.isfinite(loss) and count > 0) or (want is not None and abs(loss - want) > 1e-3 * abs(want)):
+            problems.append(f"validation after resume: loss {loss:.5f} ({count} tokens), before save {want}")
         detail = (f"fresh process and init, Trainer.train(resume_from_checkpoint) -> engine.load_checkpoint: step "
                   f"{got['step']}; {len(saved) - len(problems)}/{len(saved)} fingerprints equal the saved ones "
                   f"({', '.join(saved)}); time includes the engine's initialisation")
@@ -1168,7 +1181,7 @@ def run_1b(a, seq: int, info: dict, log_dir: Path, emit) -> list[dict]:
             payload = run_worker("zero3_1b_resume", a, [
                 "--seq", str(seq), "--ckpt", str(tmp / "trainer"),
                 "--expect", json.dumps({**expect, "checkpoint": winfo["checkpoint"],
-                                        "fingerprint": winfo.get("fingerprint")})],
+                                        "fingerprint": winfo.get("fingerprint"), "val_loss": winfo.get("val_loss")})],
                 f"zero3_1b_resume_seq{seq}", log_dir)
             for r in payload["rows"]:
                 r["check"] = name

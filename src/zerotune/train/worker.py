@@ -143,14 +143,7 @@ def load_model(r: Recipe, run: Run):
                                                  **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
     if run.choice.liger and run.args.deepspeed:
-        # Liger's fused loss reads lm_head.weight without calling lm_head (liger_kernel 0.8.5 transformers/model/
-        # llama.py:184-197). ZeRO-3 gathers such a read only inside the engine's forward, after it has seen one
-        # (deepspeed 0.19.8 runtime/zero/parameter_offload.py:71-88, engine.py:2953-2955); validation calls the
-        # module itself, and a job resumed at its last step runs no engine forward before it: the weight would be
-        # an empty partition there (Liger: ZeroDivisionError). Registered, it is gathered with the top module.
-        import deepspeed
-
-        deepspeed.zero.register_external_parameter(model, model.get_output_embeddings().weight)
+        gather_lm_head_with_model(model)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())  # ZeRO-3 shards
     n_trainable = None
     if peft_utils.enabled(r):
@@ -159,6 +152,17 @@ def load_model(r: Recipe, run: Run):
                 f"{' + full ' + str(r.peft.modules_to_save) if r.peft.modules_to_save else ''}: "
                 f"{n_trainable:,} trainable of {n_all:,} parameters ({100 * n_trainable / n_all:.3f}%)")
     return model, n_params, n_trainable
+
+
+def gather_lm_head_with_model(model) -> None:
+    """Under ZeRO-3 with Liger: Liger's fused loss reads lm_head.weight without calling lm_head (liger_kernel 0.8.5
+    transformers/model/llama.py:184-197). ZeRO-3 gathers such a read only inside the engine's forward, after it
+    has seen one (deepspeed 0.19.8 runtime/zero/parameter_offload.py:71-88, engine.py:2953-2955); validation calls
+    the module itself, and a job resumed at its last step runs no engine forward before it: the weight would be
+    an empty partition there (Liger: ZeroDivisionError). Registered, it is gathered with the top module."""
+    import deepspeed
+
+    deepspeed.zero.register_external_parameter(model, model.get_output_embeddings().weight)
 
 
 def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
