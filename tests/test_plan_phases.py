@@ -68,15 +68,17 @@ def test_nograd_layer_by_hand():
     # T=8, e=2: residual e T h = 1024; q, k, v = 2 x 8 x (64 + 2 x 32) = 2048
     hf = nograd_layer_bytes(SMALL, 8, 2, liger=False)
     assert hf["residual"] == 1024
-    assert hf["blocks"] == {"norm": 8 * 8 * 64,                       # fp32 input + its pow(2)
+    # after attention the post-attention sum (`residual`) sits beside the layer input: + 1024 in norm and mlp
+    assert hf["blocks"] == {"norm": 8 * 8 * 64 + 1024,                # fp32 input + its pow(2)
                             "attention": 1024 + 2048 + 3 * 2 * 8 * 64,  # RoPE: three q-sized temporaries
-                            "mlp": 1024 + 3 * 2 * 8 * 128}              # gate, up, product
-    assert hf["peak"] == 7168
+                            "mlp": 1024 + 3 * 2 * 8 * 128 + 1024}       # gate, up, product
+    assert hf["peak"] == 8192
     # a packed mask: k, v repeated to 4 heads (2 x 1024) + the 8 x 8 mask in fp16 + output and its copy
     masked = nograd_layer_bytes(SMALL, 8, 2, mask_rows=8, liger=False)
-    assert masked["blocks"]["attention"] == 1024 + 2048 + (2048 + 2048 + 2 * 8 * 8) == 7296 == masked["peak"]
+    assert masked["blocks"]["attention"] == 1024 + 2048 + (2048 + 2048 + 2 * 8 * 8) == 7296
+    assert masked["peak"] == 8192  # still the MLP block
     lg = nograd_layer_bytes(SMALL, 8, 2, liger=True)
-    assert lg["blocks"]["norm"] == 1024 + 4 * 8  # output + 1/rms
+    assert lg["blocks"]["norm"] == 1024 + 4 * 8 + 1024  # output + 1/rms, beside the post-attention sum
     assert lg["blocks"]["attention"] == 1024 + 2048 + max(2 * 8 * (64 + 32), 2 * 2 * 8 * 64) == 5120
 
 
@@ -125,8 +127,9 @@ def test_small_phases_by_hand():
     val = states + batches + 3 * 8 * 8 + 64 + 512 + (1024 + 20616)
     assert ph["validation"]["peak_bytes"] == with_overheads(val)
     # samples: prefill of an 8-token prompt: KV 2 layers x 2 x 32 x 2 B x 8 + ids and mask + cos/sin + the MLP
-    # block over the residual (no mask: is_causal) beats the decode's cache of 12 tokens
-    samples = states + batches + 2 * 2 * 32 * 2 * 8 + 2 * 8 * 8 + 512 + (1024 + 7168)
+    # block over the residual stream (two copies from layer 1 on: inputs_embeds and the layer's input; no mask:
+    # is_causal) beats the decode's cache of 12 tokens
+    samples = states + batches + 2 * 2 * 32 * 2 * 8 + 2 * 8 * 8 + 512 + (2 * 1024 + 8192)
     assert ph["samples"]["peak_bytes"] == with_overheads(samples)
     assert ph["save"]["peak_bytes"] == with_overheads(states + batches)
     # resume: Adam m, v loaded beside the live ones; before the first step, no batches
@@ -143,8 +146,10 @@ def test_small_phases_by_hand():
 
 def test_small_validation_with_liger_has_no_logits():
     ph = small_phases(liger=True)
-    # fused loss 2224 + final norm 1024 < residual 1024 + attention block with the mask 7296
-    assert ph["validation"]["parts"]["one layer, no grad (attention block)"] == 1024 + 2048 + 4224
+    # fused loss 2224 + final norm 1024 < two residual copies 2048 + the MLP block 8192 (attention with the
+    # mask: 7296)
+    assert ph["validation"]["parts"]["residual stream"] == 2 * 1024
+    assert ph["validation"]["parts"]["one layer, no grad (mlp block)"] == 1024 + 3 * 2 * 8 * 128 + 1024
     assert not any("output layer" in k for k in ph["validation"]["parts"])
 
 

@@ -70,12 +70,17 @@ def nograd_layer_bytes(m: ModelShape, tokens: int, e: int, *, mask_rows: int = 0
     T, h = tokens, m.hidden
     norm = e * T * h + 4 * T if liger else 8 * T * h
     qkv = e * T * (m.q_dim + 2 * m.kv_dim)
-    rope = e * T * (m.q_dim + m.kv_dim) if liger else 3 * e * T * m.q_dim
+    # HF: three q-sized temporaries, then q_embed beside three k-sized ones (more when kv heads = heads)
+    rope = e * T * (m.q_dim + m.kv_dim) if liger else e * T * max(3 * m.q_dim, m.q_dim + 3 * m.kv_dim)
     sdpa = 2 * e * T * m.q_dim  # output + contiguous copy
     if mask_rows:
         sdpa += 2 * e * T * m.q_dim + e * mask_rows * mask_rows  # repeat_kv'd k, v + mask in the query dtype
     attention = e * T * h + qkv + max(rope, sdpa)
-    mlp = e * T * h + 3 * e * T * m.intermediate
+    # after attention, `residual` (the sum) sits beside the layer's input the loop still holds (modeling_llama.py
+    # :309 vs :391-392): one more e x T x h under the post-attention norm and the MLP (tests/test_phase_memory.py)
+    post = e * T * h
+    norm += post
+    mlp = e * T * h + 3 * e * T * m.intermediate + post
     blocks = {"norm": norm, "attention": attention, "mlp": mlp}
     return {"blocks": blocks, "peak": max(blocks.values()), "residual": e * T * h}
 
@@ -90,7 +95,8 @@ def eval_loss_bytes(m: ModelShape, tokens: int, e: int, fused: bool) -> tuple[in
       (transformers/model/loss_utils.py:87-88: two int64 copies).
     not fused (Liger off, or Liger without skip_logits): transformers keeps the model-dtype logits
       (models/llama/modeling_llama.py:468) while ForCausalLMLoss upcasts them (loss/loss_utils.py:61) and
-      cross_entropy materialises the fp32 log-softmax: (e + 4 + 4) B x vocab x tokens.
+      cross_entropy materialises the fp32 log-softmax: (e + 4 + 4) B x vocab x tokens (fp32 logits: no upcast
+      copy, 8 B).
     """
     T, V = tokens, m.vocab
     labels = 8 * (T + 1) + 8 * T
@@ -99,7 +105,8 @@ def eval_loss_bytes(m: ModelShape, tokens: int, e: int, fused: bool) -> tuple[in
         chunk = min(T, 1 << max(0, math.ceil(math.log2(math.ceil(T / inc)))))
         return (chunk * V * e + e * T * m.hidden + 4 * T + T + labels,
                 f"Liger fused CE: {chunk}-token logits chunk + zeroed input-grad buffer")
-    return (e + 8) * T * V + labels, f"full logits ({8 * e}-bit) + fp32 upcast + fp32 log-softmax"
+    up = 4 if e < 4 else 0  # fp32 logits: .float() returns the tensor itself, no copy (measured, test_phase_memory)
+    return (e + up + 4) * T * V + labels, f"full logits ({8 * e}-bit){' + fp32 upcast' * bool(up)} + fp32 log-softmax"
 
 
 def nograd_forward_parts(m: ModelShape, tokens: int, e: int, *, mask_rows: int, liger: bool,
@@ -110,8 +117,11 @@ def nograd_forward_parts(m: ModelShape, tokens: int, e: int, *, mask_rows: int, 
     head = e * tokens * m.hidden + (loss[0] if loss else 0)
     rope = 2 * tokens * m.head_dim * e  # cos, sin for the row, shared by all layers
     out = {"rotary cos/sin": rope}
-    if layer["residual"] + layer["peak"] >= head:
-        out["residual stream"] = layer["residual"]
+    # LlamaModel.forward keeps inputs_embeds referenced through the whole layer loop (modeling_llama.py:370, :388)
+    # beside each layer's input: two copies of the residual stream from the second layer on
+    residual = (2 if m.layers > 1 else 1) * layer["residual"]
+    if residual + layer["peak"] >= head:
+        out["residual stream"] = residual
         out[f"one layer, no grad ({max(layer['blocks'], key=layer['blocks'].get)} block)"] = layer["peak"]
     else:
         out[f"output layer: {loss[1] if loss else 'last-token logits'}"] = head
@@ -169,8 +179,9 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
                "prompt (input_ids, attention_mask)": 2 * 8 * prompt,
                **nograd_forward_parts(m, prompt, e, mask_rows=0, liger=liger,
                                       loss=(m.vocab * (e + 4), "last-token logits"))}
-    # decoding: the cache at its longest; DynamicLayer.update concatenates one layer's K and V (old + new alive)
-    decode = {"KV cache (prompt + answer)": kv * total, "cache concat (one layer)": 2 * m.kv_dim * e * total,
+    # decoding: the cache at its longest; DynamicLayer.update concatenates one layer's K, then its V (cache_utils.py
+    # :136-137): one old tensor beside its longer copy at a time (measured, test_phase_memory)
+    decode = {"KV cache (prompt + answer)": kv * total, "cache concat (one layer)": m.kv_dim * e * total,
               "last-token logits": m.vocab * (e + 4)}
     gen = prefill if sum(prefill.values()) >= sum(decode.values()) else decode
     out["samples"] = _gpu_phase(
