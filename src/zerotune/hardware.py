@@ -29,7 +29,12 @@ class GPU:
     # reserve) and a little dependent on the driver; everything a process allocates, CUDA context and NCCL
     # buffers included, must fit in it. The only memory figure per GPU: plans and checks use this one.
     usable_gib: float = 0.0
-    default_mfu: float | None = None  # the planner's assumed model FLOPs utilisation for training
+    # The planner's assumed model FLOPs utilisation of the kernels alone (matmuls, attention, Liger) for
+    # training: communication, the optimizer step and fixed costs are separate terms (planner/time.py).
+    default_mfu: float | None = None
+    # The cluster type the planner assumes around this GPU: a key of planner/time.py CLUSTERS, where the
+    # link bandwidths (in the node, between nodes, to the host) live with their sources.
+    cluster: str | None = None
 
 
 # Peak dense 16-bit tensor TFLOPS from vendor datasheets (fp16 on V100/T4, bf16 on A100/H100).
@@ -43,12 +48,13 @@ class GPU:
 #   H100-SXM5-80GB 79.11: vllm-project/vllm#27508 (H100); not measured here.
 GPUS = {
     "v100-32gb": GPU("V100-SXM2-32GB", (7, 0), 125.0, bf16=False, flash_attention_2=False, usable_gib=31.75,
-                     default_mfu=0.35),
-    "t4": GPU("T4", (7, 5), 65.0, bf16=False, flash_attention_2=False, usable_gib=14.56, default_mfu=0.30),
+                     default_mfu=0.35, cluster="v100-sxm2-1xedr"),
+    "t4": GPU("T4", (7, 5), 65.0, bf16=False, flash_attention_2=False, usable_gib=14.56, default_mfu=0.30,
+              cluster="t4-pcie-1xedr"),
     "a100-80gb": GPU("A100-SXM4-80GB", (8, 0), 312.0, bf16=True, flash_attention_2=True, usable_gib=79.15,
-                     default_mfu=0.40),
+                     default_mfu=0.40, cluster="a100-sxm4-8xhdr"),
     "h100-80gb": GPU("H100-SXM5-80GB", (9, 0), 989.0, bf16=True, flash_attention_2=True, usable_gib=79.11,
-                     default_mfu=0.35),
+                     default_mfu=0.35, cluster="h100-sxm5-8xndr"),
     "cpu": GPU("CPU", None, None, bf16=False, flash_attention_2=False),
 }
 # llama.cpp on a GPU beside its weights and KV cache: CUDA context + compute buffers (0.3-0.8 GiB measured at

@@ -4,7 +4,8 @@ Everything is computed for the recipe's target cluster (`plan:`), not for this m
 laptop can plan a V100 job. Memory per GPU comes from planner/memory.py (DeepSpeed's estimator
 for model states + modelled buffers and activations) for the training step, and from
 planner/phases.py for every other phase of the job (validation, samples, save, resume, finalize,
-quantize); disk per event from planner/disk.py; time from FLOPs at an assumed MFU.
+quantize); disk per event from planner/disk.py; time per optimizer step from planner/time.py (compute at an
+assumed MFU, the communication it cannot hide, the optimizer step, fixed costs), on 1-8 nodes.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .quant_types import QUANT_TYPES
 from .planner.disk import disk_events, held
 from .planner.memory import GiB, ModelConfigError, _attention_has_mask, memory_breakdown, model_shape
 from .planner.phases import phase_plan
+from .planner import time as timemodel
 
 
 class PlanError(UserError, RuntimeError):
@@ -31,6 +33,7 @@ class PlanError(UserError, RuntimeError):
 
 SEQ_CHOICES = (2048, 4096, 8192, 16384, 32768)
 MICRO_CHOICES = (1, 2, 4, 8)
+RECOMMEND_GAIN = 0.05  # a recommendation other than the recipe's own must save more than this per step
 MIN_STEPS = 20  # below this, warmup/cosine schedules and loss curves mean little
 # GGUF types the plan sizes for the T4 (bits per weight from the one quantization table)
 PLANNED_QUANTS = ("f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
@@ -134,8 +137,8 @@ def _doc_lengths(r: Recipe) -> dict | None:
     return man.get("doc_length") if man else None
 
 
-def _step_time(r, shape, g, gpu_name, seq, world, micro: int, attention: str, docs: dict | None = None) -> dict:
-    """FLOPs per optimizer step and the time at the assumed MFU (counting all executed FLOPs).
+def _flops(r, shape, seq, micro: int, attention: str, docs: dict | None) -> dict:
+    """FLOPs per optimizer step, counting all executed FLOPs.
 
     Attention per token per layer, forward: 2 x S x q_dim for causal (QK^T and PV over half the matrix),
     4 x S x q_dim with a dense mask (the whole matrix), 2 x D x q_dim for varlen over documents of
@@ -149,13 +152,127 @@ def _step_time(r, shape, g, gpu_name, seq, world, micro: int, attention: str, do
     doc = min(seq, docs["p50"]) if docs and docs.get("p50") else seq
     span = {"varlen": 2 * doc, "causal": 2 * (seq if r.data.packing else doc), "dense": 4 * (seq if r.data.packing else doc)}[kind]
     attention = (4 if ckpt else 3) * span * shape.q_dim * L * T
-    total = dense + recompute + attention
+    return {"flops_per_step": dense + recompute + attention, "flops_dense": dense, "flops_recompute": recompute,
+            "flops_attention": attention, "attention_kind": kind}
+
+
+def _zero_settings(zero: dict | None) -> dict:
+    """What the time model reads from the resolved zero_optimization (ds_config.build)."""
+    zero = zero or {}
+    return {"zero_stage": int(zero.get("stage", 0) or 0),
+            "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme"),
+            "hpz": int(zero.get("zero_hpz_partition_size", 1) or 1)}
+
+
+def _step_time(r, shape, g, gpu_name, seq, world, micro: int, attention: str, docs: dict | None = None, *,
+               gpus_per_node: int | None = None, precision: str = "fp16", zero: dict | None = None,
+               save_s: float = 0.0, cluster: str | None = None, hpz: int | None = None) -> dict:
+    """FLOPs per optimizer step and the time it takes: compute at the assumed MFU (the kernels' efficiency
+    alone) + the communication it cannot hide + the optimizer step + fixed costs (planner/time.py)."""
+    out = _flops(r, shape, seq, micro, attention, docs)
     mfu = r.plan.mfu or hardware.GPUS[gpu_name].default_mfu
-    out = {"flops_per_step": total, "flops_dense": dense, "flops_recompute": recompute, "flops_attention": attention,
-           "attention_kind": kind, "mfu": mfu, "seconds_per_step": None}
-    if mfu and g.peak_tflops:
-        out["seconds_per_step"] = total / (world * g.peak_tflops * 1e12 * mfu)
+    out.update(mfu=mfu, seconds_per_step=None)
+    if not (mfu and g.peak_tflops):
+        return out
+    gpn = gpus_per_node or world
+    if not (cluster or g.cluster):
+        return out
+    c = timemodel.CLUSTERS[cluster or g.cluster]
+    job = _job(r, shape, out["flops_per_step"], seq, micro, gpn, world // gpn, precision, zero, save_s, hpz)
+    t = timemodel.step_time(job, c, g.peak_tflops, mfu)
+    out.update(seconds_per_step=t["seconds_per_step"], grad_accum=job.grad_accum, **{k: t[k] for k in (
+        "terms", "dominant", "shares", "per_micro_step", "communication_over_compute", "crossover_tokens",
+        "optimizer_how", "fixed_parts", "overlap", "cluster", "inter_node_gbs", "intra_node_gbs")})
+    out["cluster_describe"] = c.describe
     return out
+
+
+def _job(r, shape, flops_per_step, seq, micro, gpn, nodes, precision, zero, save_s, hpz=None) -> timemodel.Job:
+    world = gpn * nodes
+    ga = _grad_accum(r, seq, micro, world)
+    zs = _zero_settings(zero)
+    peft = _peft(r, shape)
+    return timemodel.Job(n_params=shape.n_params, trainable=peft[1] if peft else shape.n_params,
+                         flops_micro=flops_per_step / (world * ga),
+                         forward_share=0.25 if r.train.gradient_checkpointing else 1 / 3,
+                         tokens_micro=seq * micro, grad_accum=ga, gpus_per_node=gpn, nodes=nodes,
+                         dtype_bytes=4 if precision == "fp32" else 2, zero_stage=zs["zero_stage"],
+                         offload_optimizer=zs["offload_optimizer"], hpz=zs["hpz"] if hpz is None else hpz,
+                         save_s=save_s, save_steps=r.train.save_steps)
+
+
+NODE_COUNTS = (1, 2, 4, 8)
+
+
+def _node_table(r, shape, g, gpu_name, choice, zero, accum, gpn, docs, save_s, capacity, own: str) -> dict:
+    """The recipe's own batch on 1, 2, 4, 8 nodes of the same kind (GA from the world size), with and without
+    ZeRO++ hierarchical partitioning (zero_hpz_partition_size = GPUs per node) and its memory, on the GPU's
+    cluster type and the alternatives beside it (planner/time.py CLUSTERS)."""
+    seq, micro = r.data.seq_len, r.train.micro_batch_size
+    clusters = (own, *timemodel.ALTERNATIVES.get(own, ()))
+    rows = []
+    for n in NODE_COUNTS:
+        world = gpn * n
+        exact = r.train.global_batch_tokens % (seq * micro * world) == 0
+        peak = _memory(r, shape, choice, zero, seq, micro, gpn, n, g, accum)["peak"]
+        hpz_extra = timemodel.hpz_bytes(shape.n_params, 4 if choice.precision == "fp32" else 2, gpn)
+        row = {"nodes": n, "world_size": world, "grad_accum": _grad_accum(r, seq, micro, world), "exact_batch": exact,
+               "peak_bytes": peak, "fits": peak <= capacity, "hpz_extra_bytes": hpz_extra if n > 1 else 0,
+               "hpz_fits": peak + hpz_extra <= capacity, "clusters": {}}
+        for c in clusters:
+            kw = dict(gpus_per_node=gpn, precision=choice.precision, zero=zero, save_s=save_s, cluster=c)
+            base = _step_time(r, shape, g, gpu_name, seq, world, micro, choice.attention, docs, hpz=1, **kw)
+            entry = {k: base[k] for k in ("seconds_per_step", "terms", "communication_over_compute",
+                                          "crossover_tokens", "per_micro_step", "fixed_parts")}
+            if n > 1 and zero and int(zero.get("stage", 0) or 0) == 3:
+                hp = _step_time(r, shape, g, gpu_name, seq, world, micro, choice.attention, docs, hpz=gpn, **kw)
+                entry["hpz_seconds_per_step"] = hp["seconds_per_step"]
+                entry["hpz_terms"] = hp["terms"]
+            row["clusters"][c] = entry
+        rows.append(row)
+    one = {c: rows[0]["clusters"][c]["seconds_per_step"] for c in clusters}
+    for row in rows:
+        for c, e in row["clusters"].items():
+            e["speedup"] = one[c] / e["seconds_per_step"] if e["seconds_per_step"] else None
+            e["tokens_per_s_per_gpu"] = r.train.global_batch_tokens / e["seconds_per_step"] / row["world_size"]
+    return {"cluster": own, "clusters": list(clusters), "rows": rows,
+            "advice": _node_advice(rows, own, gpn, capacity, seq * micro)}
+
+
+def _node_advice(rows, own, gpn, capacity, tokens: int) -> list[str]:
+    """What the model says about node counts: the scaling and what it loses, where communication overtakes
+    compute, and whether ZeRO++ hpZ pays at 4 nodes."""
+    multi = [row for row in rows if row["nodes"] > 1]
+    if not multi:
+        return []
+    one, two = rows[0]["clusters"][own], multi[0]["clusters"][own]
+    scale = ", ".join(f"{row['nodes']} nodes {row['clusters'][own]['speedup']:.2f}x" for row in multi)
+    lost = ", ".join(f"{row['clusters'][own]['terms']['communication'] / row['clusters'][own]['seconds_per_step']:.1%}"
+                     for row in multi)
+    fixed = rows[0]["clusters"][own]["fixed_parts"]
+    out = [f"scaling on {own}: {scale} one node; communication not hidden: {lost} of the step; the checkpoint "
+           f"save ({fixed['save_s']:,.0f} s/step) does not shrink with more nodes",
+           f"communication overtakes compute below ~{two['crossover_tokens']:,.0f} tokens per GPU per micro-step "
+           f"across nodes (~{one['crossover_tokens']:,.0f} inside one node); the recipe runs {tokens:,} "
+           "(seq_len x micro-batch)"]
+    four = next((row for row in rows if row["nodes"] == 4), multi[-1])
+    e = four["clusters"][own]
+    if "hpz_seconds_per_step" in e:
+        saved = e["seconds_per_step"] - e["hpz_seconds_per_step"]
+        share = saved / e["seconds_per_step"]
+        mem = four["peak_bytes"] + four["hpz_extra_bytes"]
+        fits = mem <= capacity
+        worth = fits and share >= HPZ_WORTH
+        out.append(f"ZeRO++ hpZ at {four['nodes']} nodes (train.zero.zero_hpz_partition_size={gpn}): all gathers but "
+                   f"the step's first stay in the node; saves {saved:,.0f} s/step ({share:.1%}) for "
+                   f"+{four['hpz_extra_bytes'] / GiB:.2f} GiB per GPU (peak {mem / GiB:.2f} of "
+                   f"{capacity / GiB:.2f} GiB: {'fits' if fits else 'DOES NOT FIT'}): "
+                   + ("use it" if worth else f"not worth it below {HPZ_WORTH:.0%}")
+                   + " (convergence reports: DeepSpeed #4851, #7606; compare first losses with and without)")
+    return out
+
+
+HPZ_WORTH = 0.05  # advise hpZ when it saves at least this share of the step: less is within the model's error
 
 
 def _data_steps(r: Recipe) -> dict:
@@ -180,9 +297,13 @@ def _inference(r: Recipe, shape) -> dict:
             "recipe_quant": r.quantize.type}
 
 
-def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = None, nodes: int | None = None) -> dict:
+def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = None, nodes: int | None = None,
+                 cluster: str | None = None) -> dict:
+    """cluster: a cluster type of planner/time.py CLUSTERS (links between the GPUs); default: the GPU's."""
     gpu_name, g, gpn, nn = _cluster(r, gpu, gpus_per_node, nodes)
     world = gpn * nn
+    if cluster is not None and cluster not in timemodel.CLUSTERS:
+        raise PlanError(f"cluster '{cluster}' unknown; choose one of {sorted(timemodel.CLUSTERS)}.")
     try:
         shape = model_shape(r)
     except ModelConfigError as e:
@@ -208,6 +329,10 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
         own_batch, batch_error = None, str(e)
     phases = _phases(r, shape, choice, zero, g, gpn, world, capacity, own_mem)
 
+    disk = _disk(r, shape, choice, _peft(r, shape))
+    save_s = disk["checkpoint_bytes"] / SAVE_BYTES_PER_S
+    time_kw = dict(gpus_per_node=gpn, precision=choice.precision, zero=zero, save_s=save_s, cluster=cluster)
+
     options = []
     seqs = sorted({s for s in SEQ_CHOICES if s <= shape.max_positions} | {r.data.seq_len})
     for seq in seqs:
@@ -217,7 +342,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
             except batchmod.BatchError:
                 continue  # must reach global_batch_tokens exactly
             mem, ok = fits(seq, micro)
-            t = _step_time(r, shape, g, gpu_name, seq, world, micro, choice.attention, docs)
+            t = _step_time(r, shape, g, gpu_name, seq, world, micro, choice.attention, docs, **time_kw)
             options.append({"seq_len": seq, "micro_batch_size": micro, "grad_accum": bp.grad_accum,
                             "peak_bytes": mem["peak"], "fits": ok, "seconds_per_step": t["seconds_per_step"],
                             "flops_per_step": t["flops_per_step"], "attention_kind": t["attention_kind"],
@@ -229,11 +354,24 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     # (better GPU use), then longer rows. Nothing long enough fits: the longest that does.
     floor = min(docs["p99"], r.data.seq_len) if docs and docs.get("p99") else r.data.seq_len
     cands = [o for o in fitting if o["seq_len"] >= floor]
-    rec = (min(cands, key=lambda o: (o["flops_per_step"], not o["recipe"], -o["micro_batch_size"], -o["seq_len"]))
+    # Time per step counts communication too (planner/time.py): across nodes, short rows can take longer than
+    # their FLOPs say. No peak known (CPU target): FLOPs. The recipe's own choice stands unless another saves
+    # more than RECOMMEND_GAIN: a smaller gain is inside the model's own uncertainty.
+    def cost(o):
+        return o["seconds_per_step"] if o["seconds_per_step"] is not None else o["flops_per_step"]
+
+    rec = (min(cands, key=lambda o: (cost(o), not o["recipe"], -o["micro_batch_size"], -o["seq_len"]))
            if cands else max(fitting, key=lambda o: (o["seq_len"], o["micro_batch_size"])) if fitting else None)
+    own_opt = next((o for o in cands if o["recipe"]), None)
+    if rec is not None and own_opt is not None and cost(own_opt) <= cost(rec) * (1 + RECOMMEND_GAIN):
+        rec = own_opt
 
     suggestions = [] if rec else _suggestions(r, shape, choice, zero, gpn, nn, g, capacity, accum)
-    time = _step_time(r, shape, g, gpu_name, r.data.seq_len, world, r.train.micro_batch_size, choice.attention, docs)
+    time = _step_time(r, shape, g, gpu_name, r.data.seq_len, world, r.train.micro_batch_size, choice.attention, docs,
+                      **time_kw)
+    if time["seconds_per_step"] and g.cluster and _zero_settings(zero)["zero_stage"] == 3:  # multi-node = ZeRO-3 here
+        time["nodes"] = _node_table(r, shape, g, gpu_name, choice, zero, accum, gpn, docs, save_s, capacity,
+                                    cluster or g.cluster)
     data = _data_steps(r)
     warnings = []
     if data["total_steps"] is not None and data["total_steps"] < MIN_STEPS:
@@ -241,13 +379,29 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
                         f"{r.train.global_batch_tokens:,} per step x {r.train.epochs} epochs): fewer than {MIN_STEPS} "
                         "steps make warmup and cosine decay meaningless; lower train.global_batch_tokens or add data.")
     if zero and (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"):
-        warnings.append("optimizer offload: steps are several times slower (PCIe traffic of 12 B/param); "
-                        "expect well above the time estimate.")
+        if time.get("terms"):
+            pm, tt = time["per_micro_step"], time["terms"]
+            warnings.append(
+                f"optimizer offload (modelled, planner/time.py): CPU Adam + fp16 copy-back {tt['optimizer']:,.0f} s "
+                f"per step; the fp32 gradient partition crosses PCIe twice every micro-step, "
+                f"{pm.get('offload_grad_pcie_s', 0):.2f} s against {pm['compute_s']:.1f} s of compute at "
+                f"{r.data.seq_len * r.train.micro_batch_size:,} tokens per micro-step (hidden behind backward at this "
+                f"size). The step is slow because it has {world} GPUs; below ~"
+                f"{r.data.seq_len * r.train.micro_batch_size * pm.get('offload_grad_pcie_s', 0) / pm['compute_s']:,.0f}"
+                " tokens per micro-step the PCIe traffic alone outlasts the compute.")
+        else:
+            warnings.append("optimizer offload: CPU Adam and the PCIe traffic are not modelled on this target.")
         cpu_need = own_mem["cpu_bytes_per_node"]
         if cpu_need > r.plan.cpu_ram_gb * 1e9:
             warnings.append(f"CPU RAM: DeepSpeed estimates {cpu_need / 1e9:.0f} GB per node for offloaded states, "
                             f"plan.cpu_ram_gb is {r.plan.cpu_ram_gb:g}.")
-    disk = _disk(r, shape, choice, _peft(r, shape))
+    hpz = _zero_settings(zero)["hpz"]
+    if hpz > 1:
+        extra = timemodel.hpz_bytes(shape.n_params, 4 if choice.precision == "fp32" else 2, hpz)
+        warnings.append(f"ZeRO++ hpZ (zero_hpz_partition_size={hpz}): its secondary parameter copy, "
+                        f"+{extra / GiB:.2f} GiB per GPU, is not in the memory breakdown above (peak with it "
+                        f"{(own_mem['peak'] + extra) / GiB:.2f} of {capacity / GiB:.2f} GiB). Compare the first "
+                        "losses with and without it before a long run (DeepSpeed #4851, #7606).")
     fin = phases["finalize"]
     if not fin["fits"]:
         warnings.append(f"CPU RAM: finalize (verify{' + merge' if r.peft.method != 'none' else ''} after training) "
@@ -324,6 +478,57 @@ def _gib(b) -> str:
     return f"{b / GiB:6.2f} GiB"
 
 
+def _h(seconds: float) -> str:
+    return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:,.1f} s"
+
+
+def format_time(p: dict) -> list[str]:
+    """The time section: FLOPs, the four terms with what dominates, and the node table with its advice."""
+    t, c, rc = p["time"], p["cluster"], p["recipe_config"]
+    lines = [f"\ntime: {t['flops_per_step']:.3g} FLOPs per optimizer step (6NT {t['flops_dense']:.3g}, "
+             f"recompute {t['flops_recompute']:.3g}, attention {t['flops_attention']:.3g} {t['attention_kind']})"]
+    if not t["seconds_per_step"]:
+        return lines + ["  no time estimate for this target (no peak TFLOPS)"]
+    pm, tt, fp = t["per_micro_step"], t["terms"], t["fixed_parts"]
+    total = t["seconds_per_step"]
+    lines.append(f"  per optimizer step on {c['nodes']} x {c['gpus_per_node']} {c['gpu_name']}, "
+                 f"cluster {t['cluster']}: in-node {t['intra_node_gbs']:.0f} GB/s, between nodes {t['inter_node_gbs']:.0f} GB/s per node "
+                 "(planner/time.py)")
+    gathers = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}" for k, v in pm.items()
+                        if k not in ("compute_s", "communication_s", "exposed_s"))
+    why = {"compute": f"{t['grad_accum']} micro-steps x {pm['compute_s']:.2f} s at {t['mfu']:.0%} MFU (kernels only)",
+           "communication": f"per micro-step {pm['communication_s']:.2f} s of traffic ({gathers or 'none'}), "
+                            f"{pm['exposed_s']:.2f} s not hidden ({t['overlap']:.0%} of the overlappable overlaps)",
+           "optimizer": t["optimizer_how"],
+           "fixed": f"batch fetch {fp['fetch_s']:.1f} s, logging {fp['bookkeeping_s']:.1f} s, checkpoint save "
+                    f"{fp['save_s']:.0f} s per step"}
+    for k, v in tt.items():
+        lines.append(f"  {k:<14} {_h(v):>10} {v / total:6.1%}  {why[k]}")
+    lines.append(f"  {'total':<14} {_h(total):>10}         = "
+                 f"{total / rc['global_batch_tokens'] * 1e6:.1f} us per token; dominated by {t['dominant']}")
+    nt = t.get("nodes")
+    if not nt:
+        return lines
+    lines.append(f"\nnodes (same {rc['global_batch_tokens']:,}-token step, GA from the world size; "
+                 f"comm = communication not hidden, share of the step; +hpZ = with zero_hpz_partition_size {c['gpus_per_node']}):")
+    head = f"  {'nodes':>5} {'GA':>5} {'peak GiB':>8}"
+    for name in nt["clusters"]:
+        label = name.rsplit("-", 1)[-1]
+        head += f" | {label + ' h/step':>12} {'us/tok':>6} {'speedup':>7} {'comm':>5} {'+hpZ h':>6}"
+    lines.append(head)
+    for row in nt["rows"]:
+        line = f"  {row['nodes']:>5} {row['grad_accum']:>5} {row['peak_bytes'] / GiB:>8.2f}"
+        for name in nt["clusters"]:
+            e = row["clusters"][name]
+            hp = f"{e['hpz_seconds_per_step'] / 3600:6.2f}" if "hpz_seconds_per_step" in e else f"{'-':>6}"
+            us = e["seconds_per_step"] / rc["global_batch_tokens"] * 1e6
+            line += (f" | {e['seconds_per_step'] / 3600:>12.2f} {us:>6.1f}"
+                     f" {e['speedup']:>6.2f}x {e['terms']['communication'] / e['seconds_per_step']:>5.1%} {hp}")
+        lines.append(line)
+    lines += [f"  {a}" for a in nt["advice"]]
+    return lines
+
+
 def format_plan(p: dict) -> str:
     c, m, ch, rc = p["cluster"], p["memory"], p["choice"], p["recipe_config"]
     lines = [f"plan: {p['recipe']} on {c['nodes']} x {c['gpus_per_node']} {c['gpu_name']} (world {c['world_size']}); "
@@ -350,7 +555,8 @@ def format_plan(p: dict) -> str:
                      f"  {'yes' if o['fits'] else 'no '}  {hours}{mark}")
     if p["recommended"]:
         lines.append("  recommended: the least time per token among those that fit with seq_len >= the data's p99 "
-                     "document length (the recipe's seq_len before `prepare`)")
+                     "document length (the recipe's seq_len before `prepare`); the recipe's own unless another "
+                     f"saves more than {RECOMMEND_GAIN:.0%}")
     if not p["recommended"]:
         lines.append("  nothing fits. Try: " + "; ".join(p["suggestions"]))
     lines.append("\nevery phase of the job (peak per GPU, or host RAM per node):")
@@ -360,11 +566,7 @@ def format_plan(p: dict) -> str:
         verdict = ("yes" if ph["fits"] else "NO ") if ph["runs"] else "-  "
         lines.append(f"  {name:<12} {_gib(ph['peak_bytes'])}  {unit:>16}  {verdict}   {ph['what']}"
                      + ("" if ph["runs"] else " (does not run: see the recipe)"))
-    t = p["time"]
-    lines.append(f"\ntime: {t['flops_per_step']:.3g} FLOPs per optimizer step (6NT {t['flops_dense']:.3g}, "
-                 f"recompute {t['flops_recompute']:.3g}, attention {t['flops_attention']:.3g} {t['attention_kind']})")
-    if t["seconds_per_step"]:
-        lines.append(f"  at {t['mfu']:.0%} MFU: {t['seconds_per_step']:,.0f} s = {t['seconds_per_step'] / 3600:.2f} h per step")
+    lines += format_time(p)
     d = p["data"]
     if d["steps_per_epoch"] is not None:
         lines.append(f"  data: {d['train_tokens']:,} tokens = {d['steps_per_epoch']:.2f} optimizer steps per epoch; "
@@ -529,8 +731,12 @@ def dry_run(r: Recipe) -> str:
     lines.append(f"  other phases   {', '.join(gpu)} GiB per GPU; "
                  + ("every phase fits" if not bad else "DO NOT FIT: " + ", ".join(bad))
                  + " (`zerotune plan` shows all)")
-    if p["time"]["seconds_per_step"]:
-        lines.append(f"  time/step      {p['time']['seconds_per_step'] / 3600:.2f} h at {p['time']['mfu']:.0%} MFU")
+    t = p["time"]
+    if t["seconds_per_step"]:
+        lines.append(f"  time/step      {t['seconds_per_step'] / 3600:.2f} h: "
+                     + ", ".join(f"{k} {v / 3600:.2f}" for k, v in t["terms"].items())
+                     + f" h; dominated by {t['dominant']} ({t['mfu']:.0%} MFU, cluster {t['cluster']}; "
+                     "`zerotune plan` shows 1-8 nodes)")
     for why in ch["reasons"]:
         lines.append(f"  ({why})")
     lines += [f"  WARNING: {w}" for w in p["warnings"]]

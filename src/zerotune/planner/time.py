@@ -1,0 +1,298 @@
+"""Time per optimizer step of HF Trainer + DeepSpeed ZeRO-3 (issue 30): compute, communication,
+optimizer and fixed costs, from the one table of figures below (FIGURES, each with its source).
+
+    t_step = GA x t_micro + t_optimizer + t_fixed
+    t_micro = sum over the forward and the backward pass of  max(c, m) + (1 - OVERLAP) x min(c, m)
+
+c is the pass's compute: its FLOPs on one GPU / (peak x MFU). MFU here is the efficiency of the kernels
+alone (matmuls, attention, Liger) with nothing else running: communication, the optimizer and the fixed
+costs are separate terms, so the MFU figures of the GPU table (hardware.GPUS) are not meant to absorb them.
+m is the pass's traffic on the slowest link it crosses (a ring collective of S bytes over R ranks moves
+S x (R-1)/R through every rank and, across nodes, through every node's network cards; nccl-tests calls the
+rate it sustains "bus bandwidth"). What ZeRO-3 moves per micro-step, from deepspeed 0.19.8:
+
+  forward    all-gather of every parameter in the model dtype (partition_parameters.py _all_gather_dtype,
+             communication in the parameters' dtype; partitioned_param_coordinator.py fetch_sub_module)
+  backward   all-gather again: gradient checkpointing's recompute and the backward of a layer share one
+             gather, because the layer's backward comes within stage3_max_reuse_distance (1e9 parameters in
+             configs/deepspeed/zero3.json) of its recompute (coordinator.__params_to_release keeps it; frozen
+             LoRA bases through ds_recompute_parameters); reduce-scatter of the gradients in
+             communication_data_type (engine.py: fp16 under fp16, bf16 under bf16; stage3.py
+             __avg_scatter_grads),
+             on every micro-step, also under gradient accumulation (stage3.py partition_grads accumulates
+             the scattered partitions, micro_step_id)
+  offload    under offload_optimizer the accumulated fp32 gradient partition lives in pinned host memory
+             (stage3.py:791-795, device = cpu): every micro-step copies the new partition into it and back to
+             the GPU (the first) or copies it to the GPU, adds and copies it back (the others; stage3.py
+             partition_grads, "adding directly to cpu is very slow"): 8 B per partitioned parameter over
+             PCIe per micro-step, on the reduction stream (overlappable like the collectives).
+  hpZ        zero_hpz_partition_size = h keeps a secondary copy of the parameters partitioned over h ranks
+             (partition_parameters.py _partition_param_sec). It is made on the first release of each
+             parameter and dropped only after the optimizer step (stage3.py _post_step ->
+             invalidate_secondary_tensor; "Keep hpz secondary tensor in forward pass", DeepSpeed #4288), and
+             every gather that finds it uses the h-rank group (partition_parameters.py:1571-1574). So per
+             optimizer step one forward gather crosses the world, the other 2 x GA - 1 stay inside the node;
+             gradients still reduce-scatter over the world. Memory: 2 B x parameters / h per GPU.
+
+Ignored, with their size: parameters below stage3_param_persistence_threshold stay resident (Llama's norms,
+< 0.01% of the bytes); parameters kept across the forward/backward turnaround (at most
+stage3_max_reuse_distance = 1e9 parameters: <= 6% of one micro-step's gather bytes for 8B); per-collective
+latency and DeepSpeed's per-module hook overhead (about 1,000 collectives per 8B micro-step: they matter at
+micro-batches of a few hundred tokens, not at 16K).
+
+OVERLAP is the share of the shorter of compute and communication that runs concurrently. DeepSpeed
+prefetches the next modules' gathers (stage3_prefetch_bucket_size) and, with overlap_comm, reduce-scatters
+on a side stream while backward continues; NCCL's kernels share the SMs and HBM with the compute, so the
+overlap is not complete. The value is stated below with the measurements it is consistent with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Figure:
+    value: float
+    unit: str
+    what: str
+    source: str
+
+
+# Every number the time model uses, once. The compute term's peak TFLOPS and MFU live in hardware.GPUS (the
+# GPU table); the checkpoint write rate in plan.SAVE_BYTES_PER_S (shared with the preemption plan).
+FIGURES: dict[str, Figure] = {
+    # --- links -------------------------------------------------------------------------------------
+    "nccl_efficiency": Figure(
+        0.8, "busbw / line rate", "share of a link's line rate NCCL's ring collectives sustain",
+        "sjeaugey (NCCL), NVIDIA/nccl-tests#212: 'with the protocol overhead (~20%) NCCL can get an effective "
+        "NVLink bandwidth of 370GB/s' of 450; across nodes: DGX-1 with 4x EDR reaches ~40 of 50 GB/s all-reduce "
+        "busbw (NVIDIA GTC 2017 S7155, quoted in NVIDIA/nccl-tests#29); 8x100 Gb RoCE 600 of 800 Gb/s "
+        "(NVIDIA/nccl#495); 3 nodes 8xA100 4x HDR: 84.8 average, 96 peak of 100 GB/s (NVIDIA/nccl-tests#119)"),
+    "nvlink2_v100_line": Figure(
+        150.0, "GB/s per GPU per direction", "V100-SXM2: 6 NVLink2 links x 25 GB/s per direction",
+        "NVIDIA DGX-1 V100 description (hybrid cube-mesh, 'three interwoven rings of single NVLink "
+        "connections'); NVIDIA NVLink page: 'six NVLink connections ... 300 GB/s' bidirectional"),
+    "nvlink3_a100_busbw": Figure(
+        200.0, "GB/s", "8xA100-SXM4 NVLink3 nccl-tests busbw (measured)",
+        "NVIDIA/nccl-tests#149: 'the nccl tests show a busbw of ~200 GB/s' (HPE Apollo 6500, 8xA100-80GB); "
+        "NVIDIA/nccl-tests#178: 208 GB/s"),
+    "nvlink4_h100_busbw": Figure(
+        360.0, "GB/s", "8xH100-SXM5 NVLink4 nccl-tests all_gather busbw (measured)",
+        "NVIDIA/nccl-tests#326: ~360 GB/s all_gather, sjeaugey: '360 GB/s is exactly what we'd expect on "
+        "H100'; nccl-tests#212: 370 GB/s effective"),
+    "pcie3_x16_line": Figure(
+        15.75, "GB/s per direction", "PCIe 3.0 x16 line rate (8 GT/s x 16 lanes x 128/130)",
+        "PCI-SIG PCIe 3.0 base specification; used for T4 peer traffic (no NVLink)"),
+    "ib_edr_line": Figure(12.5, "GB/s per port", "InfiniBand EDR, 100 Gb/s per port",
+                          "IBTA / NVIDIA ConnectX-5 datasheet"),
+    "ib_hdr_line": Figure(25.0, "GB/s per port", "InfiniBand HDR, 200 Gb/s per port",
+                          "IBTA / NVIDIA ConnectX-6 datasheet"),
+    "ib_ndr_line": Figure(50.0, "GB/s per port", "InfiniBand NDR, 400 Gb/s per port",
+                          "IBTA / NVIDIA ConnectX-7 datasheet"),
+    "pcie3_host_measured": Figure(
+        12.0, "GB/s per direction", "pinned host<->GPU copy over PCIe 3.0 x16, one GPU alone",
+        "mpicbg-scicomp/gearshifft#82: bandwidthTest pinned H2D 12.15, D2H 12.89 GB/s (P100 PCIe3 x16); "
+        "ZaidQureshi/bam#54: 'V100 ingress bandwidth is 12GBps'"),
+    "pcie4_host_measured": Figure(
+        25.0, "GB/s per direction", "pinned host<->GPU copy over PCIe 4.0 x16 (A100)",
+        "ZaidQureshi/bam#54: 'the peak x16 PCIe Gen4 is 25GBps' (measured)"),
+    "pcie5_host_measured": Figure(
+        35.0, "GB/s per direction", "host->GPU copy, H100 (the slower direction)",
+        "NVIDIA/nvbandwidth#24: host_to_device_memcpy_sm 35.2 GB/s, device_to_host 52.8 GB/s (H100)"),
+    "gpus_per_pcie_uplink_sxm2": Figure(
+        2.0, "GPUs", "V100-SXM2 boards: two GPUs share each PCIe switch's x16 uplink to the CPU",
+        "Leadtek WinFast GS4830NT (8xV100-SXM2, DGX-1 layout): 'each PCI-E PLX switch is the root of two SXM2 "
+        "modules and one PCI-E 3.0 x16 slot'"),
+    # --- optimizer -----------------------------------------------------------------------------------
+    "gpu_optimizer_v100": Figure(
+        2.0e9, "parameters/s per GPU", "DeepSpeed ZeRO-3 optimizer step on V100 (fused Adam + unscale, "
+        "norm, fp16 copy), per partitioned parameter",
+        "DeepSpeed ZeRO++ tutorial, ZeRO baseline log (docs/assets/images/zeropp/ZeRO-baseline.png): "
+        "'optimizer: 277.16' then '139.50' ms for 18.1B parameters / 64 V100-SXM3 = 283M per GPU; ZeRO++ log: "
+        "142.42 ms. A memory-bound Adam (~40 B/parameter at 900 GB/s) would take 13 ms: DeepSpeed's step costs "
+        "10x that; other GPUs scaled by HBM bandwidth (gpu_hbm_*)"),
+    "gpu_hbm_v100": Figure(900.0, "GB/s", "V100 HBM2", "NVIDIA V100 datasheet (zerotune NOTES hardware table)"),
+    "gpu_hbm_t4": Figure(320.0, "GB/s", "T4 GDDR6", "NVIDIA T4 datasheet (zerotune NOTES hardware table)"),
+    "gpu_hbm_a100": Figure(2039.0, "GB/s", "A100-SXM4-80GB HBM2e", "NVIDIA A100 datasheet"),
+    "gpu_hbm_h100": Figure(3350.0, "GB/s", "H100-SXM5 HBM3", "NVIDIA H100 datasheet"),
+    "cpu_adam": Figure(
+        1.62e9, "parameters/s per node", "DeepSpeedCPUAdam (AVX512) on a 2-socket Xeon host",
+        "DeepSpeed ZeRO-Offload tutorial log (docs/assets/images/zero_offload_dp1_10B_log.png): optimizer_step "
+        "6478.57 and 6217.36 ms for its 10.28B GPT-2 (50 layers, hidden 4096, vocab 50,257, 1,024 positions) on "
+        "one V100-SXM3 (DGX-2 host, 2x 24-core Xeon Platinum 8168), one process using the host's cores. Checked "
+        "against DeepSpeed PR #735: 11.6B in 8.2 s (1.41e9/s, tests/test_time_model.py)"),
+    # --- overlap ---------------------------------------------------------------------------------------
+    "overlap": Figure(
+        0.75, "share", "of the shorter of a pass's compute and communication that runs concurrently",
+        "assumption, consistent with the ZeRO++ V100 measurements (tests/test_time_model.py ZEROPP): the "
+        "rows where it is identifiable imply 0.74-0.9; 0.5 and 1.0 are compared in docs/planner_time.md"),
+    # --- fixed costs per optimizer step -------------------------------------------------------------
+    "fetch_s_per_token": Figure(
+        1.1e-6, "s per token", "the Trainer fetching and collating the step's GA micro-batches before the first "
+        "forward (transformers 5 get_batch_samples; zerotune's dataloader_num_workers=0: not overlapped)",
+        "measured here: 18.3 ms per 16,384-token packed row (datasets row access + train/args.py collate_packed) "
+        "on this 2-core VM under CI load: an upper bound for a cluster node"),
+    "bookkeeping_s": Figure(
+        0.5, "s per step", "logging, zerotune's step metrics and their all-reduce of a few scalars, host syncs",
+        "assumption (upper bound): NCCL small-message all-reduce ~25-35 us on 2 nodes (NVIDIA/nccl-tests#128 "
+        "rows); a handful of .item() syncs and one log line per step"),
+}
+
+
+def F(name: str) -> float:
+    return FIGURES[name].value
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A cluster type: the links one job's traffic crosses. Bandwidths in GB/s, from FIGURES."""
+    name: str
+    describe: str
+    intra: float  # NCCL busbw among the GPUs of one node
+    nic: str      # FIGURES key of one network port's line rate
+    nics: int     # network ports per node
+    host: float   # host<->GPU per GPU when every GPU of the node copies at once
+    hbm: float
+    cpu_adam: float  # parameters/s per node
+
+    @property
+    def inter(self) -> float:
+        """NCCL busbw across nodes, per node: a ring enters and leaves each node through its ports."""
+        return self.nics * F(self.nic) * F("nccl_efficiency")
+
+
+def _v100(nics: int, nic: str = "ib_edr_line") -> Cluster:
+    port = {"ib_edr_line": "EDR 100 Gb/s", "ib_hdr_line": "HDR 200 Gb/s"}[nic]
+    return Cluster(f"v100-sxm2-{nics}x{nic.split('_')[1]}",
+                   f"8x V100-SXM2 NVLink2 hybrid cube-mesh per node, {nics}x InfiniBand {port} per node",
+                   intra=F("nvlink2_v100_line") * F("nccl_efficiency"), nic=nic, nics=nics,
+                   host=F("pcie3_host_measured") / F("gpus_per_pcie_uplink_sxm2"), hbm=F("gpu_hbm_v100"),
+                   cpu_adam=F("cpu_adam"))
+
+
+CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
+    _v100(1), _v100(4), _v100(1, "ib_hdr_line"),
+    Cluster("t4-pcie-1xedr", "T4s on PCIe 3.0 (no NVLink), 1x InfiniBand EDR per node",
+            intra=F("pcie3_x16_line") * F("nccl_efficiency"), nic="ib_edr_line", nics=1,
+            host=F("pcie3_host_measured"), hbm=F("gpu_hbm_t4"), cpu_adam=F("cpu_adam")),
+    Cluster("a100-sxm4-8xhdr", "8x A100-SXM4 NVLink3 per node, 8x InfiniBand HDR per node (DGX A100)",
+            intra=F("nvlink3_a100_busbw"), nic="ib_hdr_line", nics=8, host=F("pcie4_host_measured"),
+            hbm=F("gpu_hbm_a100"), cpu_adam=F("cpu_adam")),
+    Cluster("h100-sxm5-8xndr", "8x H100-SXM5 NVLink4 per node, 8x InfiniBand NDR per node (DGX H100)",
+            intra=F("nvlink4_h100_busbw"), nic="ib_ndr_line", nics=8, host=F("pcie5_host_measured"),
+            hbm=F("gpu_hbm_h100"), cpu_adam=F("cpu_adam")),
+)}
+# What a V100 plan shows beside its own cluster type in the node table.
+ALTERNATIVES = {"v100-sxm2-1xedr": ("v100-sxm2-4xedr",), "v100-sxm2-4xedr": ("v100-sxm2-1xedr",)}
+
+
+def gpu_optimizer_rate(c: Cluster) -> float:
+    """Parameters/s per GPU for DeepSpeed's optimizer step: the V100 measurement scaled by HBM bandwidth."""
+    return F("gpu_optimizer_v100") * c.hbm / F("gpu_hbm_v100")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One optimizer step of one recipe on one cluster shape, as the time model needs it."""
+    n_params: int            # every parameter: ZeRO-3 gathers them all (frozen ones too)
+    trainable: int           # parameters with gradients: reduce-scattered, optimized, checkpointed
+    flops_micro: float       # FLOPs one GPU executes per micro-step (forward, recompute, backward)
+    forward_share: float     # of flops_micro in the forward pass: 1/4 with recompute, 1/3 without
+    tokens_micro: int        # tokens per GPU per micro-step (seq_len x micro-batch)
+    grad_accum: int
+    gpus_per_node: int
+    nodes: int
+    dtype_bytes: int         # model dtype: what ZeRO-3 gathers (2 for fp16/bf16)
+    zero_stage: int          # 3; 0-2 (or no DeepSpeed): one gradient all-reduce per step
+    offload_optimizer: bool = False
+    hpz: int = 1             # zero_hpz_partition_size
+    save_s: float = 0.0      # one checkpoint save
+    save_steps: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+def collective_s(nbytes: float, ranks: int, c: Cluster, across_nodes: bool) -> float:
+    """A ring all-gather / reduce-scatter of nbytes (the full gathered size) over `ranks` ranks."""
+    if ranks <= 1:
+        return 0.0
+    bw = min(c.intra, c.inter) if across_nodes else c.intra
+    return nbytes * (ranks - 1) / ranks / (bw * GB)
+
+
+def _pass_s(compute: float, comm: float, overlap: float) -> float:
+    return max(compute, comm) + (1 - overlap) * min(compute, comm)
+
+
+def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: float | None = None) -> dict:
+    """Seconds per optimizer step by term, and what each term is made of (per micro-step, per GPU)."""
+    overlap = F("overlap") if overlap is None else overlap
+    w, ga, gpn = job.world, job.grad_accum, job.gpus_per_node
+    multi = job.nodes > 1
+    compute = job.flops_micro / (peak_tflops * 1e12 * mfu)
+    c_fwd, c_bwd = compute * job.forward_share, compute * (1 - job.forward_share)
+    gathered = job.dtype_bytes * job.n_params
+    grads = job.dtype_bytes * job.trainable  # communication_data_type = the model's 16-bit dtype
+    per_gpu = job.trainable / w
+    detail = {}
+    step_comm = 0.0  # traffic outside the micro-steps (non-ZeRO-3 all-reduce)
+    if job.zero_stage == 3 and w > 1:
+        world_gather = collective_s(gathered, w, c, multi)
+        if job.hpz > 1:
+            h = min(job.hpz, w)
+            local_gather = collective_s(gathered, h, c, h > gpn)
+            fwd_gather = (world_gather + (ga - 1) * local_gather) / ga  # only the step's first crosses the world
+            bwd_gather = local_gather
+        else:
+            fwd_gather = bwd_gather = world_gather
+        reduce_scatter = collective_s(grads, w, c, multi)
+        detail.update(forward_gather_s=fwd_gather, backward_gather_s=bwd_gather, reduce_scatter_s=reduce_scatter)
+    else:
+        fwd_gather = bwd_gather = reduce_scatter = 0.0
+        if w > 1:  # DDP / ZeRO-1/2 under GA: one all-reduce of the gradients at the step boundary
+            step_comm = 2 * collective_s(grads, w, c, multi)
+            detail["gradient_all_reduce_s"] = step_comm
+    pcie = 0.0
+    if job.offload_optimizer:
+        pcie = 8 * per_gpu / (c.host * GB)  # fp32 partition host -> GPU, add, GPU -> host (first micro-step too)
+        detail["offload_grad_pcie_s"] = pcie
+    m_fwd, m_bwd = fwd_gather, bwd_gather + reduce_scatter + pcie
+    micro = _pass_s(c_fwd, m_fwd, overlap) + _pass_s(c_bwd, m_bwd, overlap)
+    if job.offload_optimizer:
+        optimizer = job.trainable / job.nodes / c.cpu_adam + 2 * per_gpu / (c.host * GB)
+        opt_how = (f"CPU Adam {job.trainable / job.nodes:.3g} parameters per node at {c.cpu_adam:.3g}/s + fp16 "
+                   f"parameters back over PCIe ({c.host:g} GB/s per GPU)")
+    else:
+        optimizer = per_gpu / gpu_optimizer_rate(c)
+        opt_how = f"{per_gpu:.3g} parameters per GPU at {gpu_optimizer_rate(c):.3g}/s"
+    fetch = ga * job.tokens_micro * F("fetch_s_per_token")
+    save = job.save_s / job.save_steps if job.save_steps > 0 else 0.0
+    fixed = fetch + F("bookkeeping_s") + save
+    terms = {"compute": ga * compute, "communication": ga * (micro - compute) + step_comm,
+             "optimizer": optimizer, "fixed": fixed}
+    total = sum(terms.values())
+    comm_micro = m_fwd + m_bwd  # all of it, before overlap
+    return {
+        "terms": terms, "seconds_per_step": total, "dominant": max(terms, key=terms.get),
+        "shares": {k: v / total for k, v in terms.items()},
+        "per_micro_step": {"compute_s": compute, "communication_s": comm_micro, "exposed_s": micro - compute,
+                           **detail},
+        "communication_over_compute": comm_micro / compute if compute else math.inf,
+        # tokens per GPU per micro-step below which the traffic takes longer than the compute (traffic per
+        # micro-step does not depend on the tokens; compute is about proportional to them)
+        "crossover_tokens": job.tokens_micro * comm_micro / compute if compute else None,
+        "optimizer_how": opt_how,
+        "fixed_parts": {"fetch_s": fetch, "bookkeeping_s": F("bookkeeping_s"), "save_s": save},
+        "overlap": overlap, "cluster": c.name, "inter_node_gbs": c.inter, "intra_node_gbs": c.intra,
+    }
+
+
+def hpz_bytes(n_params: int, dtype_bytes: int, hpz: int) -> int:
+    """GPU bytes of hpZ's secondary parameter copy (partition_parameters.py _partition_param_sec)."""
+    return 0 if hpz <= 1 else int(math.ceil(n_params / hpz) * dtype_bytes)

@@ -1,0 +1,261 @@
+"""The planner's time model (issue 30): each term against hand-computed values, the plan's time entry, and
+the calibration table of public DeepSpeed measurements (docs/planner_time.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from zerotune import hardware
+from zerotune.config import load_recipe
+from zerotune.plan import compute_plan, format_plan
+from zerotune.planner import time as tm
+
+V100 = hardware.GPUS["v100-32gb"]
+EDR1 = tm.CLUSTERS["v100-sxm2-1xedr"]
+GB = 1e9
+
+
+def job(**kw) -> tm.Job:
+    base = dict(n_params=8_000_000_000, trainable=8_000_000_000, flops_micro=1.6e15, forward_share=0.25,
+                tokens_micro=16384, grad_accum=480, gpus_per_node=8, nodes=1, dtype_bytes=2, zero_stage=3)
+    return tm.Job(**{**base, **kw})
+
+
+# --- the figures -------------------------------------------------------------------------------------
+
+def test_every_figure_has_a_value_unit_and_source():
+    for name, f in tm.FIGURES.items():
+        assert f.value > 0 and f.unit and f.what and len(f.source) > 20, name
+
+
+def test_cluster_bandwidths_come_from_the_figures():
+    f = tm.F
+    assert EDR1.intra == pytest.approx(6 * 25 * 0.8) == pytest.approx(f("nvlink2_v100_line") * f("nccl_efficiency"))
+    assert EDR1.inter == pytest.approx(12.5 * 0.8)  # one EDR port per node
+    assert tm.CLUSTERS["v100-sxm2-4xedr"].inter == pytest.approx(4 * 12.5 * 0.8)
+    assert EDR1.host == pytest.approx(12.0 / 2)  # two SXM2 GPUs share a PCIe switch uplink
+    assert EDR1.intra / EDR1.inter == pytest.approx(12)  # the issue's "10-25x slower than NVLink"
+    for name, gpu in hardware.GPUS.items():
+        assert gpu.cluster is None if gpu.capability is None else gpu.cluster in tm.CLUSTERS, name
+
+
+# --- each term by hand ------------------------------------------------------------------------------
+
+def test_ring_collective_time():
+    # 16 GB gathered over 8 ranks in a node at 120 GB/s: each rank receives 7/8 of it
+    assert tm.collective_s(16 * GB, 8, EDR1, across_nodes=False) == pytest.approx(16 * 7 / 8 / 120)
+    # across nodes the node's network (10 GB/s) is the slower link
+    assert tm.collective_s(16 * GB, 32, EDR1, across_nodes=True) == pytest.approx(16 * 31 / 32 / 10)
+    assert tm.collective_s(16 * GB, 1, EDR1, across_nodes=False) == 0
+
+
+def test_one_node_step_by_hand():
+    j = job()
+    t = tm.step_time(j, EDR1, 125.0, 0.35)
+    c = 1.6e15 / (125e12 * 0.35)  # 36.57 s per micro-step
+    g = 16e9 * 7 / 8 / 120e9      # one gather (and one reduce-scatter) of 16 GB, 0.117 s
+    cf, cb, mf, mb = c / 4, 3 * c / 4, g, 2 * g
+    micro = max(cf, mf) + 0.25 * min(cf, mf) + max(cb, mb) + 0.25 * min(cb, mb)
+    assert t["terms"]["compute"] == pytest.approx(480 * c)
+    assert t["terms"]["communication"] == pytest.approx(480 * (micro - c))  # 0.25 x 3 g per micro-step
+    assert t["terms"]["communication"] == pytest.approx(480 * 0.25 * 3 * g)
+    assert t["terms"]["optimizer"] == pytest.approx(1e9 / 2e9)  # 8e9 / 8 GPUs at 2e9 parameters/s
+    assert t["terms"]["fixed"] == pytest.approx(480 * 16384 * 1.1e-6 + 0.5)  # fetch + bookkeeping, no save
+    assert t["seconds_per_step"] == pytest.approx(sum(t["terms"].values()))
+    assert t["dominant"] == "compute"
+    assert t["crossover_tokens"] == pytest.approx(16384 * 3 * g / c)
+
+
+def test_communication_bound_micro_step_by_hand():
+    # 4 nodes, 512 tokens per GPU: the traffic (3 x 16 GB x 31/32 at 10 GB/s) outlasts the compute
+    j = job(nodes=4, grad_accum=1, flops_micro=8 * 8e9 * 512, tokens_micro=512)
+    t = tm.step_time(j, EDR1, 125.0, 0.35)
+    c = 8 * 8e9 * 512 / (125e12 * 0.35)
+    g = 16e9 * 31 / 32 / 10e9
+    micro = max(c / 4, g) + 0.25 * min(c / 4, g) + max(3 * c / 4, 2 * g) + 0.25 * min(3 * c / 4, 2 * g)
+    assert t["terms"]["communication"] == pytest.approx(micro - c)
+    assert t["dominant"] == "communication" and t["communication_over_compute"] > 1
+
+
+def test_hpz_keeps_all_but_one_gather_in_the_node():
+    j = job(nodes=4, grad_accum=120, hpz=8)
+    t = tm.step_time(j, EDR1, 125.0, 0.35)["per_micro_step"]
+    world = 16e9 * 31 / 32 / 10e9
+    local = 16e9 * 7 / 8 / 120e9
+    assert t["forward_gather_s"] == pytest.approx((world + 119 * local) / 120)
+    assert t["backward_gather_s"] == pytest.approx(local)
+    assert t["reduce_scatter_s"] == pytest.approx(world)  # gradients still cross the world
+    assert tm.hpz_bytes(8_030_261_248, 2, 8) == 2 * 1_003_782_656  # the secondary copy: 2 B x N / 8
+
+
+def test_offload_terms_by_hand():
+    j = job(gpus_per_node=4, grad_accum=960, offload_optimizer=True)
+    t = tm.step_time(j, EDR1, 125.0, 0.35)
+    per_gpu = 8e9 / 4
+    assert t["per_micro_step"]["offload_grad_pcie_s"] == pytest.approx(8 * per_gpu / 6e9)
+    assert t["terms"]["optimizer"] == pytest.approx(8e9 / tm.F("cpu_adam") + 2 * per_gpu / 6e9)
+
+
+def test_without_zero3_one_all_reduce_per_step():
+    j = job(zero_stage=0, gpus_per_node=2, grad_accum=16, trainable=40_000_000)
+    t = tm.step_time(j, EDR1, 125.0, 0.35)
+    assert t["terms"]["communication"] == pytest.approx(2 * 80e6 * 1 / 2 / 120e9)
+    single = tm.step_time(job(zero_stage=0, gpus_per_node=1, grad_accum=16), EDR1, 125.0, 0.35)
+    assert single["terms"]["communication"] == 0
+
+
+def test_save_is_paid_every_save_steps():
+    t = tm.step_time(job(save_s=112.0, save_steps=2), EDR1, 125.0, 0.35)
+    assert t["fixed_parts"]["save_s"] == pytest.approx(56.0)
+
+
+# --- the plan's time entry ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def plan8b():
+    return compute_plan(load_recipe("llama8b_zero3"))
+
+
+def test_plan_json_exposes_terms_and_total(plan8b):
+    t = plan8b["time"]
+    assert set(t["terms"]) == {"compute", "communication", "optimizer", "fixed"}
+    assert t["seconds_per_step"] == pytest.approx(sum(t["terms"].values()))
+    # the compute term is the former estimate: FLOPs / (GPUs x peak x MFU), MFU of the kernels alone
+    assert t["terms"]["compute"] == pytest.approx(t["flops_per_step"] / (8 * 125e12 * 0.35))
+    assert t["dominant"] == "compute"
+    # every option's hours now include communication and fixed costs
+    own = next(o for o in plan8b["options"] if o["recipe"])
+    assert own["seconds_per_step"] == pytest.approx(t["seconds_per_step"])
+
+
+def test_8b_nodes_table(plan8b):
+    rows = {row["nodes"]: row for row in plan8b["time"]["nodes"]["rows"]}
+    one, four = rows[1]["clusters"]["v100-sxm2-1xedr"], rows[4]["clusters"]["v100-sxm2-1xedr"]
+    assert (rows[1]["grad_accum"], rows[4]["grad_accum"]) == (480, 120)
+    assert 4 < one["seconds_per_step"] / 3600 < 6
+    # at 16K tokens per micro-step compute dominates even across nodes: 4 nodes are nearly 4x, not exactly
+    assert 3.5 < four["speedup"] < 4
+    assert four["communication_over_compute"] > 10 * one["communication_over_compute"]
+    assert four["crossover_tokens"] < 16384 < 10 * four["crossover_tokens"]
+    # hpZ's secondary copy fits at 4 nodes (32-way sharding frees more than it costs)
+    assert rows[4]["hpz_fits"] and rows[4]["hpz_extra_bytes"] == tm.hpz_bytes(8_030_261_248, 2, 8)
+    assert four["hpz_seconds_per_step"] < four["seconds_per_step"]
+    assert any("hpZ" in a for a in plan8b["time"]["nodes"]["advice"])
+    text = format_plan(plan8b)
+    for needle in ("communication", "optimizer", "fixed", "dominated by compute", "nodes (same", "overtakes compute"):
+        assert needle in text, needle
+
+
+def test_offload_on_four_gpus():
+    t = compute_plan(load_recipe("llama8b_zero3_offload"))["time"]
+    pm = t["per_micro_step"]
+    assert pm["offload_grad_pcie_s"] < pm["compute_s"]  # hidden at 16K tokens per micro-step
+    assert 8 < t["seconds_per_step"] / 3600 < 12 and t["dominant"] == "compute"
+    assert t["terms"]["optimizer"] == pytest.approx(8_030_261_248 / tm.F("cpu_adam") + 2 * 8_030_261_248 / 4 / 6e9)
+
+
+def test_unknown_cluster_is_refused():
+    from zerotune.plan import PlanError
+
+    with pytest.raises(PlanError, match="cluster"):
+        compute_plan(load_recipe("llama8b_zero3"), cluster="infiniband-9000")
+    four = compute_plan(load_recipe("llama8b_zero3"), nodes=4, cluster="v100-sxm2-4xedr")["time"]
+    assert four["cluster"] == "v100-sxm2-4xedr" and four["inter_node_gbs"] == pytest.approx(40)
+
+
+# --- calibration: public measurements beside the model's prediction ------------------------------------
+# Tolerance: +-25% of the measured time. The sources spread about that much in the figures the model rests on:
+# NCCL efficiency 0.75-0.96 of line rate across the four measurements cited for it (nccl_efficiency), compute
+# efficiency 0.35 (the planner's V100 default) against >= 0.44 that Megatron-DeepSpeed reaches on the same
+# V100s (ZeRO++ at 800 Gb/s: 54-55 TFLOPS incl. its own communication), CPU Adam 1.41-1.62e9 parameters/s.
+TOL = 0.25
+
+
+def megatron_flops(tokens: int, layers: int, hidden: int, vocab: int) -> float:
+    """Megatron-DeepSpeed's FLOPs per sequence with activation checkpointing (the TFLOPS its logs report):
+    24 x 4 x s x L x h^2 x (1 + s / (6h) + V / (16 L h)); full (masked) attention, as Megatron computes it."""
+    s = tokens
+    return 24 * 4 * s * layers * hidden ** 2 * (1 + s / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+# ZeRO++ blog (deepspeedai/DeepSpeed blogs/zeropp, figures eval1-eval3.png; arXiv 2306.10209): Megatron-DeepSpeed
+# GPT, ZeRO-3 baseline (no ZeRO++), fp16, activation checkpointing, 384 V100-SXM3 (24 DGX-2 nodes of 16, NVSwitch),
+# inter-node InfiniBand ports of 100 Gb/s. 18B = 40 layers, hidden 6144 (docs/_tutorials/zeropp.md), vocab 50,257.
+# (source, setup, ports per node, tokens per GPU per micro-step, measured TFLOPS per GPU)
+ZEROPP = [
+    ("ZeRO++ blog eval2.png", "18B, 384 V100, 1x 100 Gb/s IB, 1K tokens/GPU", 1, 1024, 14),
+    ("ZeRO++ blog eval2.png", "18B, 384 V100, 1x 100 Gb/s IB, 2K tokens/GPU", 1, 2048, 26),
+    ("ZeRO++ blog eval3.png", "18B, 384 V100, 200 Gb/s, 2K tokens/GPU", 2, 2048, 37),
+    ("ZeRO++ blog eval1.png", "18B, 384 V100, 4x 100 Gb/s IB, 2K tokens/GPU", 4, 2048, 40),
+    ("ZeRO++ blog eval3.png", "18B, 384 V100, 800 Gb/s, 2K tokens/GPU", 8, 2048, 47),
+    ("ZeRO++ blog eval1.png", "18B, 384 V100, 4x 100 Gb/s IB, 1K tokens/GPU", 4, 1024, 25),
+]
+# Internally inconsistent with its sibling (same cluster, 2K tokens: 40 TFLOPS): the extra 1K tokens per GPU
+# cost 1.65 s, 95 TFLOPS at the margin (76% of the V100's peak), so ~2 s of this row's time is something no
+# compute + bandwidth model carries (per-collective latency at 384 ranks, stragglers). Pinned, not tuned to.
+OUTLIERS = {"18B, 384 V100, 4x 100 Gb/s IB, 1K tokens/GPU"}
+
+
+def dgx2(ports: int) -> tm.Cluster:
+    return tm.Cluster(f"dgx2-{ports}xedr", "16x V100-SXM3 NVSwitch", intra=EDR1.intra, nic="ib_edr_line",
+                      nics=ports, host=tm.F("pcie3_host_measured"), hbm=tm.F("gpu_hbm_v100"), cpu_adam=tm.F("cpu_adam"))
+
+
+def zeropp_prediction(ports: int, tokens: int, overlap: float | None = None) -> tuple[float, float]:
+    """(predicted, measured-equivalent) seconds per iteration: compute + communication + optimizer (the fixed
+    terms are the HF Trainer's; Megatron-DeepSpeed has none of them)."""
+    L, h, V = 40, 6144, 50257
+    n = 12 * L * h * h + (V + 2048) * h
+    flops = megatron_flops(tokens, L, h, V)
+    j = tm.Job(n_params=n, trainable=n, flops_micro=flops, forward_share=0.25, tokens_micro=tokens, grad_accum=1,
+               gpus_per_node=16, nodes=24, dtype_bytes=2, zero_stage=3)
+    t = tm.step_time(j, dgx2(ports), V100.peak_tflops, V100.default_mfu, overlap)
+    return t["seconds_per_step"] - t["terms"]["fixed"], flops
+
+
+@pytest.mark.parametrize("src,setup,ports,tokens,tflops", ZEROPP)
+def test_calibration_zeropp_zero3_baseline(src, setup, ports, tokens, tflops):
+    predicted, flops = zeropp_prediction(ports, tokens)
+    measured = flops / (tflops * 1e12)
+    err = predicted / measured - 1
+    if setup in OUTLIERS:
+        assert -0.5 < err < -TOL or TOL < err < 0.5, (setup, err)  # documented: outside, and by how much
+    else:
+        assert abs(err) <= TOL, (setup, round(err, 3))
+    # the former model (compute only) is optimistic beyond the tolerance where the traffic dominates
+    compute_only = flops / (V100.peak_tflops * 1e12 * V100.default_mfu)
+    if ports == 1:
+        assert compute_only / measured - 1 < -TOL, setup
+
+
+# CPU Adam (DeepSpeedCPUAdam, one process using the host's cores): (source, setup, parameters, measured s)
+CPU_ADAM = [
+    ("DeepSpeed ZeRO-Offload tutorial log", "10.28B GPT-2, 1 V100-SXM3, DGX-2 host (source of cpu_adam)",
+     12 * 50 * 4096 ** 2 + (50257 + 1024) * 4096, (6.47857 + 6.21736) / 2),
+    ("DeepSpeed PR #735", "11.6B GPT-2, 'optimizer time from 56 seconds to 8.2 seconds'", 11.6e9, 8.2),
+]
+
+
+@pytest.mark.parametrize("src,setup,params,seconds", CPU_ADAM)
+def test_calibration_cpu_adam(src, setup, params, seconds):
+    assert abs(params / tm.F("cpu_adam") / seconds - 1) <= TOL, setup
+
+
+def test_cpu_adam_within_a_measured_whole_step():
+    # DeepSpeed PR #7474: Qwen2.5-3B (3.09B) on 2 A100-40GB with optimizer offload, 128-core host: 2383 ms per
+    # step with --bind_cores_to_rank, forward and backward included: CPU Adam alone must take less
+    assert 3.09e9 / tm.F("cpu_adam") < 2.383
+
+
+def test_overlap_is_not_tuned_to_one_row():
+    # every non-outlier row stays within tolerance for any overlap from 0.5 to 1.0, not only at the stated 0.75
+    # (leave-one-out, the best overlap for the other rows is 0.82-0.89 and predicts the row left out within 12%)
+    for overlap in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+        for src, setup, ports, tokens, tflops in ZEROPP:
+            if setup in OUTLIERS:
+                continue
+            predicted, flops = zeropp_prediction(ports, tokens, overlap)
+            assert abs(predicted / (flops / (tflops * 1e12)) - 1) <= TOL, (overlap, setup)
+    assert math.isclose(tm.F("overlap"), 0.75)
