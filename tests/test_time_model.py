@@ -106,6 +106,19 @@ def test_without_zero3_one_all_reduce_per_step():
     assert single["terms"]["communication"] == 0
 
 
+def test_zero2_reduces_gradients_every_micro_step():
+    """Stage 2 partitions gradients: reduced in every micro-step's backward (deepspeed 0.19.8
+    stage_1_and_2.py:2293-2295), not once per step as stage 1 / DDP under no_sync."""
+    j = job(zero_stage=2, gpus_per_node=2, grad_accum=16, trainable=40_000_000)
+    t = tm.step_time(j, EDR1, 125.0, 0.35)
+    rs = 80e6 * 1 / 2 / 120e9
+    assert t["per_micro_step"]["reduce_scatter_s"] == pytest.approx(rs)
+    assert t["step_communication_s"] == 0
+    assert "step_gradient_all_reduce_s" not in t["per_micro_step"]
+    stage1 = tm.step_time(job(zero_stage=1, gpus_per_node=2, grad_accum=16, trainable=40_000_000), EDR1, 125.0, 0.35)
+    assert stage1["step_communication_s"] == pytest.approx(2 * rs) and "reduce_scatter_s" not in stage1["per_micro_step"]
+
+
 def test_save_is_paid_every_save_steps():
     t = tm.step_time(job(save_s=112.0, save_steps=2), EDR1, 125.0, 0.35)
     assert t["fixed_parts"]["save_s"] == pytest.approx(56.0)

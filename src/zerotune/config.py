@@ -167,7 +167,7 @@ class PlanCfg:
     gpus_per_node: int = _f(2, "Processes (GPUs) per node on the target cluster")
     nodes: int = _f(1, "Nodes on the target cluster")
     cpu_ram_gb: float = _f(24, "CPU RAM per node, GB")
-    mfu: Optional[float] = _f(None, "Assumed model FLOPs utilisation; null = default for the GPU")
+    mfu: Optional[float] = _f(None, "Assumed efficiency of the compute kernels alone: executed FLOPs (recompute and masked attention included) / peak; not the training log's MFU (6N + causal attention, no recompute); null = default for the GPU")
 
 
 @dataclass

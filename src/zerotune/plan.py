@@ -181,7 +181,8 @@ def _step_time(r, shape, g, gpu_name, seq, world, micro: int, attention: str, do
     job = _job(r, shape, out["flops_per_step"], seq, micro, gpn, world // gpn, precision, zero, save_s, hpz)
     t = timemodel.step_time(job, c, g.peak_tflops, mfu)
     out.update(seconds_per_step=t["seconds_per_step"], grad_accum=job.grad_accum, **{k: t[k] for k in (
-        "terms", "dominant", "shares", "per_micro_step", "communication_over_compute", "crossover_tokens",
+        "terms", "dominant", "shares", "per_micro_step", "step_communication_s", "communication_over_compute",
+        "crossover_tokens",
         "optimizer_how", "fixed_parts", "overlap", "cluster", "inter_node_gbs", "intra_node_gbs")})
     out["cluster_describe"] = c.describe
     return out
@@ -498,7 +499,9 @@ def format_time(p: dict) -> list[str]:
                         if k not in ("compute_s", "communication_s", "exposed_s"))
     why = {"compute": f"{t['grad_accum']} micro-steps x {pm['compute_s']:.2f} s at {t['mfu']:.0%} MFU (kernels only)",
            "communication": f"per micro-step {pm['communication_s']:.2f} s of traffic ({gathers or 'none'}), "
-                            f"{pm['exposed_s']:.2f} s not hidden ({t['overlap']:.0%} of the overlappable overlaps)",
+                            f"{pm['exposed_s']:.2f} s not hidden ({t['overlap']:.0%} of the overlappable overlaps)"
+                            + (f"; + {t['step_communication_s']:.1f} s gradient all-reduce per step"
+                               if t.get("step_communication_s") else ""),
            "optimizer": t["optimizer_how"],
            "fixed": f"batch fetch {fp['fetch_s']:.1f} s, logging {fp['bookkeeping_s']:.1f} s, checkpoint save "
                     f"{fp['save_s']:.0f} s per step"}

@@ -16,7 +16,10 @@ rate it sustains "bus bandwidth"). What ZeRO-3 moves per micro-step, from deepsp
   backward   all-gather again: gradient checkpointing's recompute and the backward of a layer share one
              gather, because the layer's backward comes within stage3_max_reuse_distance (1e9 parameters in
              configs/deepspeed/zero3.json) of its recompute (coordinator.__params_to_release keeps it; frozen
-             LoRA bases through ds_recompute_parameters); reduce-scatter of the gradients in
+             LoRA bases through ds_recompute_parameters). That needs a complete trace: on the first step, and
+             after any "Invalidate trace cache" (DeepSpeed #6870, #5006), every parameter is released
+             (partitioned_param_coordinator.py:498-499) and recompute and backward gather separately: three
+             gathers per micro-step, a third more traffic than planned; reduce-scatter of the gradients in
              communication_data_type (engine.py: fp16 under fp16, bf16 under bf16; stage3.py
              __avg_scatter_grads),
              on every micro-step, also under gradient accumulation (stage3.py partition_grads accumulates
@@ -28,11 +31,13 @@ rate it sustains "bus bandwidth"). What ZeRO-3 moves per micro-step, from deepsp
              PCIe per micro-step, on the reduction stream (overlappable like the collectives).
   hpZ        zero_hpz_partition_size = h keeps a secondary copy of the parameters partitioned over h ranks
              (partition_parameters.py _partition_param_sec). It is made on the first release of each
-             parameter and dropped only after the optimizer step (stage3.py _post_step ->
-             invalidate_secondary_tensor; "Keep hpz secondary tensor in forward pass", DeepSpeed #4288), and
+             parameter and dropped only after the optimizer step (deepspeed 0.19.8 stage3.py:2846, _post_step ->
+             invalidate_secondary_tensor; after a checkpoint load, :3848), and
              every gather that finds it uses the h-rank group (partition_parameters.py:1571-1574). So per
              optimizer step one forward gather crosses the world, the other 2 x GA - 1 stay inside the node;
-             gradients still reduce-scatter over the world. Memory: 2 B x parameters / h per GPU.
+             gradients still reduce-scatter over the world. Memory: 2 B x parameters / h per GPU. Reported
+             against it: no speedup in practice (DeepSpeed #4386, #4886) and an fp16 loss blow-up with
+             reentrant checkpointing, this recipe's setup (#7164, open): the plan never turns it on by itself.
 
 Ignored, with their size: parameters below stage3_param_persistence_threshold stay resident (Llama's norms,
 < 0.01% of the bytes); parameters kept across the forward/backward turnaround (at most
@@ -79,7 +84,7 @@ FIGURES: dict[str, Figure] = {
     "nvlink3_a100_busbw": Figure(
         200.0, "GB/s", "8xA100-SXM4 NVLink3 nccl-tests busbw (measured)",
         "NVIDIA/nccl-tests#149: 'the nccl tests show a busbw of ~200 GB/s' (HPE Apollo 6500, 8xA100-80GB); "
-        "NVIDIA/nccl-tests#178: 208 GB/s"),
+        "(nccl-tests#178's 208 GB/s is a 2-GPU NV12-bridged pair, not an 8-GPU board: not used)"),
     "nvlink4_h100_busbw": Figure(
         360.0, "GB/s", "8xH100-SXM5 NVLink4 nccl-tests all_gather busbw (measured)",
         "NVIDIA/nccl-tests#326: ~360 GB/s all_gather, sjeaugey: '360 GB/s is exactly what we'd expect on "
@@ -207,7 +212,7 @@ class Job:
     gpus_per_node: int
     nodes: int
     dtype_bytes: int         # model dtype: what ZeRO-3 gathers (2 for fp16/bf16)
-    zero_stage: int          # 3; 0-2 (or no DeepSpeed): one gradient all-reduce per step
+    zero_stage: int          # 3; 2: gradients reduce-scattered every micro-step; 0-1 (or DDP): one all-reduce per step
     offload_optimizer: bool = False
     hpz: int = 1             # zero_hpz_partition_size
     save_s: float = 0.0      # one checkpoint save
@@ -253,11 +258,16 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
             fwd_gather = bwd_gather = world_gather
         reduce_scatter = collective_s(grads, w, c, multi)
         detail.update(forward_gather_s=fwd_gather, backward_gather_s=bwd_gather, reduce_scatter_s=reduce_scatter)
+    elif job.zero_stage == 2 and w > 1:
+        # partition_gradients: the gradients are reduced on every micro-step's backward, not at the boundary
+        # (deepspeed 0.19.8 runtime/zero/stage_1_and_2.py:2293-2295); the parameters are not partitioned
+        fwd_gather = bwd_gather = 0.0
+        reduce_scatter = collective_s(grads, w, c, multi)
+        detail["reduce_scatter_s"] = reduce_scatter
     else:
         fwd_gather = bwd_gather = reduce_scatter = 0.0
-        if w > 1:  # DDP / ZeRO-1/2 under GA: one all-reduce of the gradients at the step boundary
-            step_comm = 2 * collective_s(grads, w, c, multi)
-            detail["gradient_all_reduce_s"] = step_comm
+        if w > 1:  # DDP / ZeRO-1 under GA (no_sync): one all-reduce of the gradients at the step boundary
+            step_comm = 2 * collective_s(grads, w, c, multi)  # per step, not per micro-step: kept out of detail
     pcie = 0.0
     if job.offload_optimizer:
         pcie = 8 * per_gpu / (c.host * GB)  # fp32 partition host -> GPU, add, GPU -> host (first micro-step too)
@@ -283,6 +293,7 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
         "shares": {k: v / total for k, v in terms.items()},
         "per_micro_step": {"compute_s": compute, "communication_s": comm_micro, "exposed_s": micro - compute,
                            **detail},
+        "step_communication_s": step_comm,
         "communication_over_compute": comm_micro / compute if compute else math.inf,
         # tokens per GPU per micro-step below which the traffic takes longer than the compute (traffic per
         # micro-step does not depend on the tokens; compute is about proportional to them)
