@@ -81,6 +81,17 @@ def test_the_hand_built_cache_is_what_huggingface_hub_reads(hf_home):
     assert Path(snapshot_download(REPO_ID, cache_dir=hf_home / "hub", local_files_only=True)) == snapshot
 
 
+def test_a_hub_id_is_read_from_its_snapshot(hf_home, tmp_path):
+    """What reads a model's own files by path (the samples' stop ids read generation_config.json) finds a hub
+    id's snapshot in the cache; a folder stays itself."""
+    from zerotune.weights import local_folder
+
+    snapshot = cache_repo(hf_home)
+    assert local_folder(REPO_ID) == snapshot
+    assert local_folder(str(tmp_path)) == tmp_path
+    assert local_folder("org/not-fetched") == Path("org/not-fetched")
+
+
 def test_a_complete_cache_passes_offline(hf_home, tmp_path):
     cache_repo(hf_home)
     require_weights(hub_recipe(tmp_path))

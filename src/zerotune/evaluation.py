@@ -263,6 +263,7 @@ def _sample_prompts(r: Recipe):
     from .data.prepare import load_tokenizer
     from .evaluate import eval_sets, load_rows
     from .gguf_checks import hf_end_tokens
+    from .weights import local_folder
 
     sets = eval_sets(r)
     if not sets:
@@ -270,7 +271,7 @@ def _sample_prompts(r: Recipe):
     es = sets[0]
     rows = load_rows(es)[: r.eval.samples]
     tok = load_tokenizer(r)
-    ends = hf_end_tokens(tok, layout(r).base)
+    ends = hf_end_tokens(tok, local_folder(str(layout(r).base)))  # a hub id: its generation_config in the cache
     stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
     return rows, es, tok, stop
 

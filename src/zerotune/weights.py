@@ -92,6 +92,16 @@ def _in_cache(repo: str) -> Callable[[str], Path | None]:
     return find
 
 
+def local_folder(name: str) -> Path:
+    """Where `name`'s files are on this node: the folder itself, or a hub id's snapshot in the cache (offline);
+    `name` as a path when neither (callers then see missing files, as before)."""
+    if is_hub_id(name):
+        config = _in_cache(name)("config.json")
+        if config is not None:
+            return config.parent
+    return Path(name)
+
+
 def missing_model_files(find: Callable[[str], Path | None], where: str) -> list[str]:
     """What from_pretrained needs that `find` does not have: config.json, the weights (one file, or an index and
     every shard it lists)."""
