@@ -138,3 +138,22 @@ def tiny_eval_run(tmp_path_factory):
     log = _zt("train", "tiny", f"output_dir={out}", *TINY_STEPS, "train.eval_steps=10")
     _zt("quantize", "tiny", f"output_dir={out}")
     return out, log
+
+
+def allocation_events(fn):
+    """Run fn under torch.profiler with memory profiling: (fn's result, its allocation and free events in time
+    order, an allocation before a free at the same instant). Exact to the byte on CPU (the allocator's own
+    records); what the phase-memory tests replay into live-bytes curves."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        ev = stack.pop()
+        stack.extend(ev.children)
+        if ev.tag == _EventType.Allocation:
+            allocs.append(ev)
+    allocs.sort(key=lambda ev: (ev.start_time_ns, ev.extra_fields.alloc_size < 0))
+    return result, allocs

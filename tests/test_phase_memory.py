@@ -59,7 +59,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
+from conftest import allocation_events
 
 from zerotune.planner import calibration
 from zerotune.planner.memory import ModelShape, memory_breakdown
@@ -87,17 +87,7 @@ def _kernel_call(ev):
 def measure_peak(fn) -> dict:
     """Run fn under the profiler; {"peak": live-bytes maximum above the start, kernel scratch excluded,
     "peak_with_scratch": the same with it, "result": fn's return value}."""
-    from torch._C._profiler import _EventType
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        ev = stack.pop()
-        stack.extend(ev.children)
-        if ev.tag == _EventType.Allocation:
-            allocs.append(ev)
-    allocs.sort(key=lambda ev: (ev.start_time_ns, ev.extra_fields.alloc_size < 0))  # a tie: allocation first
+    result, allocs = allocation_events(fn)  # conftest: time-ordered allocation records
     live, scratch = {}, set()
     for ev in allocs:  # pair each free with its allocation (by address): both inside one kernel call = scratch
         f = ev.extra_fields

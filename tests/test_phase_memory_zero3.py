@@ -125,18 +125,9 @@ def measure_groups(fn, groups: dict[str, set[str]]) -> dict:
     them) of tensors alive before fn. Collective scratch (made and freed inside one gloo/c10d call) is left out
     of every curve. A block whose address comes back in a later allocation was freed, though the profiler did
     not see it (a tensor whose last reference a gloo worker thread dropped): it counts as freed there."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
+    from conftest import allocation_events  # the worker runs from tests/, so conftest imports here too
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    allocs, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        ev = stack.pop()
-        stack.extend(ev.children)
-        if ev.tag == _EventType.Allocation:
-            allocs.append(ev)
-    allocs.sort(key=lambda ev: (ev.start_time_ns, ev.extra_fields.alloc_size < 0))  # a tie: allocation first
+    result, allocs = allocation_events(fn)  # time-ordered allocation records
     # the curve as (bytes, record id): record ids are event ids, ("u", id) for a free the profiler missed
     curve, live, owner, scratch, scratch_bytes, unrecorded = [], {}, {}, set(), 0, 0
     per_call = {}
