@@ -1,6 +1,9 @@
 # zerotune: make <stage> RECIPE=<name> [ARGS="section.key=value ..."]
 RECIPE ?= tiny
 ARGS ?=
+# section.key=value given to make itself (make finetune RECIPE=tiny train.lr=1e-3) is a recipe override, as in ARGS:
+# make would otherwise take it as one of its own variables and drop it silently
+OVERRIDES = $(strip $(foreach v,$(.VARIABLES),$(if $(findstring command line,$(origin $(v))),$(if $(findstring .,$(v)),$(v)=$(value $(v))))) $(ARGS))
 PY := .venv/bin/python
 ZT := $(PY) -m zerotune
 export HF_HUB_OFFLINE ?= 0
@@ -21,43 +24,43 @@ setup:  ## create .venv with pinned packages, llama.cpp converter and tokenizer 
 	@bash scripts/setup.sh
 
 fetch: setup  ## download the recipe's hub model (safetensors, config, tokenizer) into the HF cache, on a node with internet
-	$(ZT) fetch $(RECIPE) $(ARGS)
+	$(ZT) fetch $(RECIPE) $(OVERRIDES)
 
 data: setup  ## tokenize, label and pack the recipe's data once (cached by fingerprint)
-	$(ZT) prepare $(RECIPE) $(ARGS)
+	$(ZT) prepare $(RECIPE) $(OVERRIDES)
 
 plan: setup  ## memory, batch and time plan for the recipe's target cluster
-	$(ZT) plan $(RECIPE) $(ARGS)
+	$(ZT) plan $(RECIPE) $(OVERRIDES)
 
 gpu-check:  ## on a CUDA GPU: run the GPU-only paths for real beside the plan (no GPU: says so, exits 0); ARGS="--seq 2048" etc.
 	$(PY) scripts/gpu_check.py $(ARGS)
 
 finetune: setup  ## train with DeepSpeed ZeRO-3 (one process per GPU, or train.cpu_procs on CPU)
-	$(ZT) train $(RECIPE) $(ARGS)
+	$(ZT) train $(RECIPE) $(OVERRIDES)
 
 quantize: setup  ## HF model -> GGUF (Q8_0 by default) with llama.cpp's converter, checked
-	$(ZT) quantize $(RECIPE) $(ARGS)
+	$(ZT) quantize $(RECIPE) $(OVERRIDES)
 
 check: setup  ## GGUF vs HF: held-out accuracy, KL, top-1, T4 fit, speed
-	$(ZT) check $(RECIPE) $(ARGS)
+	$(ZT) check $(RECIPE) $(OVERRIDES)
 
 eval: setup  ## base vs fine-tuned HF vs GGUF on every eval.sets set -> runs/<r>/eval/eval.json, eval.png
-	$(ZT) eval $(RECIPE) $(ARGS)
+	$(ZT) eval $(RECIPE) $(OVERRIDES)
 
 serve: setup  ## OpenAI-compatible server over the GGUF on 127.0.0.1
-	$(ZT) serve $(RECIPE) $(ARGS)
+	$(ZT) serve $(RECIPE) $(OVERRIDES)
 
 demo: setup  ## the whole chain on CPU: prepare -> finetune -> quantize -> eval -> check (check reuses eval's answers) (last line: JSON summary)
-	$(ZT) prepare $(RECIPE) $(ARGS)
-	$(ZT) train $(RECIPE) $(ARGS)
-	$(ZT) quantize $(RECIPE) $(ARGS)
-	$(ZT) eval $(RECIPE) $(ARGS)
-	$(ZT) check $(RECIPE) $(ARGS)
+	$(ZT) prepare $(RECIPE) $(OVERRIDES)
+	$(ZT) train $(RECIPE) $(OVERRIDES)
+	$(ZT) quantize $(RECIPE) $(OVERRIDES)
+	$(ZT) eval $(RECIPE) $(OVERRIDES)
+	$(ZT) check $(RECIPE) $(OVERRIDES)
 	@# where the result is and what to run next; on stderr, so the JSON summary stays the last line of stdout
 	@$(PY) -c 'import sys; from zerotune.config import load_recipe; from zerotune.layout import layout; \
 	r = load_recipe(sys.argv[1], sys.argv[2:]); a = " ".join(sys.argv[2:]); \
 	print(f"demo: done; the GGUF is {layout(r).gguf}\nnext: make serve RECIPE={sys.argv[1]}" + (f" ARGS=\"{a}\"" if a else "") \
-	+ f"   # OpenAI-compatible API on http://{r.serve.host}:{r.serve.port}/v1", file=sys.stderr)' $(RECIPE) $(ARGS)
+	+ f"   # OpenAI-compatible API on http://{r.serve.host}:{r.serve.port}/v1", file=sys.stderr)' $(RECIPE) $(OVERRIDES)
 
 lint: setup  ## ruff (pyflakes + syntax errors) over the code, tests, bench and scripts (CI runs it)
 	$(PY) -m ruff check src tests bench scripts slurm

@@ -68,3 +68,15 @@ def test_cli_refuses_unknown_flags_and_bad_overrides(capsys):
         main(["prepare", "tiny", "--no-such-flag"])
     assert main(["prepare", "tiny", "data.seq_lenn=3"]) == 2
     assert "Did you mean 'seq_len'" in capsys.readouterr().err
+
+
+def test_make_passes_section_key_overrides_on_its_own_command_line():
+    """`make finetune RECIPE=tiny train.lr=1e-3`, as a recipe header suggests: make takes `train.lr` as one of its
+    own variables; the Makefile hands every dotted command-line variable on, with ARGS, to the stage."""
+    import subprocess
+
+    from conftest import REPO
+
+    out = subprocess.run(["make", "-n", "finetune", "RECIPE=tiny", "train.lr=1e-3", "ARGS=data.seq_len=128"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "-m zerotune train tiny train.lr=1e-3 data.seq_len=128" in out, out
