@@ -15,7 +15,7 @@ export HF_TOKEN_PATH ?= $(HOME)/.cache/huggingface/token
 endif
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup fetch data finetune quantize check eval serve plan demo lint test test-fast bench bench-quant clean help gpu-check
+.PHONY: setup fetch data finetune quantize check eval serve plan demo lint test test-all test-fast bench bench-quant clean help gpu-check
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -65,8 +65,11 @@ demo: setup  ## the whole chain on CPU: prepare -> finetune -> quantize -> eval 
 lint: setup  ## ruff (pyflakes + syntax errors) over the code, tests, bench and scripts (CI runs it)
 	$(PY) -m ruff check src tests bench scripts slurm
 
-test: setup  ## all tests, integration included (what CI runs)
-	$(PY) -m pytest -q --durations=25 tests  # the 25 slowest tests close every run: the CI budget, watched
+test: setup  ## all tests but the extended ones, integration included (what CI runs)
+	$(PY) -m pytest -q --durations=25 -m "not extended" tests  # the 25 slowest close every run: the CI budget, watched
+
+test-all: setup  ## every test, the extended second paths too (QLoRA demo, optimizer offload, bench smoke)
+	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: setup  ## unit tests only (seconds)
 	$(PY) -m pytest -q -m "not integration" tests

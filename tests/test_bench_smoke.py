@@ -61,6 +61,7 @@ def test_bench_inference_small(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # make bench runs this plumbing in full
 def test_bench_train_small(tmp_path):
     # the padded Trainer on SmolLM2, one measured step: the bench's own plumbing (recipe -> zerotune's prepare and
     # TrainingArguments for the baseline, the probe, the matmul limit) keeps working; zerotune's own training runs

@@ -32,6 +32,7 @@ def assert_readable_log(proc, recipe, out):
     assert nxt.startswith(f'next: make serve RECIPE={recipe} ARGS="output_dir={out}"'), nxt
 
 
+@pytest.mark.extended  # QLoRA's chain; CI covers QLoRA in test_peft.py (2 processes == 1)
 def test_make_demo_qlora(tmp_path):
     recipe = "tiny_qlora"
     proc = subprocess.run(["make", "-s", "demo", f"RECIPE={recipe}", f"ARGS=output_dir={tmp_path}"], cwd=REPO,

@@ -108,7 +108,7 @@ def test_lora_changes_only_adapters_reloads_and_merges(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("recipe", ["tiny_lora", "tiny_qlora"])
+@pytest.mark.parametrize("recipe", ["tiny_lora", pytest.param("tiny_qlora", marks=pytest.mark.extended)])
 def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
     """LoRA under ZeRO-3 (2 processes) and QLoRA (4-bit base, no DeepSpeed): stop on SIGUSR1 with a committed
     checkpoint (adapter, optimizer, scheduler, RNG), resume, and match an uninterrupted run step by step."""

@@ -82,6 +82,7 @@ def test_grad_accumulation_equivalence_under_zero3(micro1_ga4, tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3), (a, b)
 
 
+@pytest.mark.extended  # llama8b_zero3_offload's path, which no recipe recommends by default
 def test_optimizer_offload_trains_like_the_gpu_resident_optimizer(micro1_ga4, tmp_path):
     """llama8b_zero3_offload's path on CPU: ZeRO-3 with offload_optimizer, where accelerate swaps the Trainer's
     torch AdamW for DeepSpeed's CPU Adam (a C++ op DeepSpeed builds at first use) and gradients pass through
