@@ -64,7 +64,6 @@ import dataclasses
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -80,12 +79,7 @@ from train_report import ab_summary, aggregate, notes, of_matmul_limit, summaris
 
 from bench_stats import Steal  # noqa: E402
 from zerotune import manifest as mf  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from zerotune.ports import free_port  # noqa: E402
 
 
 def _run(cmd: list[str], log: Path, env: dict) -> float:
@@ -100,7 +94,7 @@ def _run(cmd: list[str], log: Path, env: dict) -> float:
 
 def _torchrun(spec_path: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs()}", "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}", str(BENCH / "train_worker.py"), str(spec_path)]
+            f"--master_port={free_port()}", str(BENCH / "train_worker.py"), str(spec_path)]
 
 
 def run_zerotune(a, log: Path, env: dict, extra: list[str]) -> dict:

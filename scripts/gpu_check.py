@@ -39,7 +39,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -464,20 +463,16 @@ def _fail(check: str, e: BaseException, m: Measure | None = None) -> dict:
     return make_row(check, "FAIL", _reason(e), **(m.cols() if m and m.seconds is not None else {}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_distributed() -> None:
     """World size 1 in this process: the env torchrun would set, then DeepSpeed's process group (nccl)."""
     import deepspeed
 
+    from zerotune.ports import free_port
+
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
                  ("MASTER_ADDR", "127.0.0.1")):
         os.environ[k] = v
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     deepspeed.init_distributed(dist_backend="nccl")
 
 

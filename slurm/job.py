@@ -5,13 +5,13 @@
       matches the recipe, the disk, the base model: what `zerotune train` checks before torchrun
       (train.before_launch). stdout gets one line for the script: PROCS_PER_NODE DEVICE RUN_DIR.
       A user error: one message, exit 2.
-  python slurm/job.py torchrun RUN_DIR TORCHRUN_ARGS...
-      torch.distributed.run (one per node, under srun), quiet when the workers stopped as asked: their exit 75
-      with stopped.json is the protocol, not a failure, and torchrun's ChildFailedError traceback and failure
-      table would say otherwise in the log. Exit 75 then; any other failure keeps torchrun's report.
+      It also resolves the recipe (overrides and the allocation applied) into RUN_DIR/train/recipe.resolved.yaml,
+      which every rank and finalize read: srun starts `python -m zerotune.train torchrun RUN_DIR ...` on each
+      node, as `zerotune train` does on one (src/zerotune/train/__main__.py).
   python slurm/job.py outcome RUN_DIR SRUN_EXIT
-      After srun: what happened, in the last lines of the job log, and the script's exit code:
-      0 trained and published, 75 stopped (requeue it), anything else failed (do not requeue).
+      After srun: what happened (train/handoff.py's Outcome, as `zerotune train` reads it), in the last lines
+      of the job log, and the script's exit code: 0 trained and published, 75 stopped (requeue it), 2 a user
+      error (fix it, resubmit), anything else failed (do not requeue).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from pathlib import Path
 from zerotune import manifest as mf
 from zerotune.checkpoint import REQUEUE_EXIT, last_committed
 from zerotune.config import load_recipe
-from zerotune.errors import UserError, report
-from zerotune.layout import RunLayout, layout
-from zerotune.train.handoff import Stopped
+from zerotune.errors import EXIT_CODE, UserError, report
+from zerotune.layout import RunLayout
+from zerotune.train.handoff import Outcome
 
 
 def preflight(recipe: str, overrides: list[str]) -> int:
@@ -45,40 +45,15 @@ def preflight(recipe: str, overrides: list[str]) -> int:
             before_launch(r)
     except UserError as e:
         return report(e)
-    layout(r).stopped.unlink(missing_ok=True)  # only this attempt's workers may write it
     print(procs, "GPU" if gpus else "CPU", r.out)
-    return 0
-
-
-def torchrun(run_dir: Path, argv: list[str]) -> int:
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
-
-    stopped = RunLayout(run_dir).stopped
-
-    def unless_stopped(_record) -> bool:
-        return not stopped.exists()
-
-    # on the handlers: a filter on a logger does not see its children's records
-    for h in logging.getLogger().handlers + logging.getLogger("torch.distributed.elastic").handlers:
-        h.addFilter(unless_stopped)
-    logging.lastResort.addFilter(unless_stopped)
-    try:
-        torchrun_main(argv)
-    except ChildFailedError:
-        if stopped.exists():
-            return REQUEUE_EXIT
-        raise
     return 0
 
 
 def outcome(run_dir: Path, srun_rc: int) -> int:
     job = os.environ.get("SLURM_JOB_ID", "?")
     run = RunLayout(run_dir)
-    stopped = Stopped.read(run.stopped)
-    no_progress = run.no_progress
+    o = Outcome.read(run, srun_rc)
+    stopped, no_progress = o.stopped, run.no_progress
     if stopped and stopped.committed:
         no_progress.unlink(missing_ok=True)
         print(f"finetune: stopped by {stopped.signal} at step {stopped.step}: checkpoint committed "
@@ -97,6 +72,12 @@ def outcome(run_dir: Path, srun_rc: int) -> int:
               f"job {job}, which starts from {start}", flush=True)
         return REQUEUE_EXIT
     no_progress.unlink(missing_ok=True)
+    if o.user_error:  # printed by the worker's local rank 0 unless only another rank hit it
+        if not o.user_error["printed"]:
+            print(f"zerotune: {o.user_error['message']}", flush=True)
+        print("finetune: a worker stopped on the user error above; not requeued: fix it and resubmit the same "
+              "command", flush=True)
+        return EXIT_CODE
     if srun_rc == 0:
         print(f"finetune: finished: model published in {run.model}", flush=True)
         return 0
@@ -110,8 +91,6 @@ def outcome(run_dir: Path, srun_rc: int) -> int:
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "preflight":
         return preflight(argv[1], argv[2:])
-    if len(argv) >= 2 and argv[0] == "torchrun":
-        return torchrun(Path(argv[1]), argv[2:])
     if len(argv) == 3 and argv[0] == "outcome":
         return outcome(Path(argv[1]), int(argv[2]))
     print(__doc__, file=sys.stderr)

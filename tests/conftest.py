@@ -77,14 +77,6 @@ def _zt(*args: str, timeout: int = 1200) -> str:
     return proc.stdout + proc.stderr
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def read_metrics(out: Path) -> list[dict]:
     """The per-step training rows of a run folder (validation rows have no loss)."""
     import json
@@ -100,6 +92,12 @@ def start_train(out: Path, log: Path, *extra: str, recipe: str = "tiny"):
     f = open(log, "w+")  # a file, not a pipe: a full pipe would block the workers
     return subprocess.Popen([sys.executable, "-m", "zerotune", "train", recipe, f"output_dir={out}", *extra],
                             cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True)
+
+
+def workers_of(out: Path) -> str:
+    """pkill -f's pattern for a run's training ranks (not its launcher or torchrun): what slurm/finetune.sbatch's
+    trap signals. torchrun starts each as `python -u -m zerotune.train worker RUN_DIR`."""
+    return f"python[^ ]* -u -m zerotune.train worker {out}$"
 
 
 def wait_for_step(proc, out: Path, step: int, committed: int | None = None) -> None:

@@ -113,7 +113,7 @@ def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
     """LoRA under ZeRO-3 (2 processes) and QLoRA (4-bit base, no DeepSpeed): stop on SIGUSR1 with a committed
     checkpoint (adapter, optimizer, scheduler, RNG), resume, and match an uninterrupted run step by step."""
     from conftest import read_metrics as metrics
-    from conftest import start_train, wait_for_step
+    from conftest import start_train, wait_for_step, workers_of
 
     steps = ["train.logging_steps=1", "train.max_steps=6", "train.save_steps=2", "--skip-preflight"]
     ref, run = tmp_path / "ref", tmp_path / "run"
@@ -124,7 +124,7 @@ def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
     wait_for_step(proc, run, 3)
     import subprocess
 
-    subprocess.run(["pkill", "-USR1", "-f", f"python[^ ]* -u -m zerotune train {recipe} output_dir={run}"], check=True)
+    subprocess.run(["pkill", "-USR1", "-f", workers_of(run)], check=True)
     proc.wait(timeout=600)
     assert proc.returncode == 75, (tmp_path / "stopped.log").read_text()[-3000:]
     resumed = zt("train", recipe, f"output_dir={run}", *steps).stdout

@@ -289,7 +289,7 @@ def _worker(mode: str, out: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def _launch(mode: str, out: Path) -> None:
-    from conftest import free_port
+    from zerotune.ports import free_port
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # as train/launch.py on CPU
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",

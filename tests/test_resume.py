@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, start_train, wait_for_step, zt
+from conftest import REPO, start_train, wait_for_step, workers_of, zt
 from conftest import read_metrics as metrics
 
 pytestmark = pytest.mark.integration
@@ -66,7 +66,7 @@ def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(reference, tmp
     proc = start_train(run, tmp_path / "interrupted.log", *COMMON)
     wait_for_step(proc, run, 3)
     # What slurm/finetune.sbatch's trap does: USR1 to the workers (torchrun's children), not to torchrun.
-    subprocess.run(["pkill", "-USR1", "-f", f"python[^ ]* -u -m zerotune train tiny output_dir={run}"], check=True)
+    subprocess.run(["pkill", "-USR1", "-f", workers_of(run)], check=True)
     proc.wait(timeout=600)
     log = (tmp_path / "interrupted.log").read_text()
     assert proc.returncode == 75, log[-3000:]
@@ -86,7 +86,8 @@ def test_kill9_then_full_disk_then_resume_matches_uninterrupted_run(reference, t
     proc = start_train(run, tmp_path / "killed.log", *COMMON)
     wait_for_step(proc, run, 7, committed=6)
     # A node failure: every process of the job, launcher and torchrun included, dies without warning.
-    subprocess.run(["pkill", "-9", "-f", f"zerotune train tiny output_dir={run}"], check=True)
+    subprocess.run(["pkill", "-9", "-f", f"zerotune train tiny output_dir={run}|zerotune.train (torchrun|worker) {run}"],
+                   check=True)
     proc.wait(timeout=60)
     assert metrics(run)[-1]["step"] >= 7
 

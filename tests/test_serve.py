@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import free_port
+from zerotune.ports import free_port
 
 pytestmark = pytest.mark.integration
 

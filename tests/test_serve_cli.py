@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO
+from zerotune.ports import free_port
 
 pytestmark = pytest.mark.integration
 

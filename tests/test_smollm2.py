@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from conftest import NOISE, REPO, free_port, read_metrics, zt
+from conftest import NOISE, REPO, read_metrics, zt
+from zerotune.ports import free_port
 
 pytestmark = pytest.mark.integration
 MODEL = REPO / "assets" / "models" / "smollm2-135m-instruct"

@@ -202,11 +202,9 @@ def one_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 def closed_port() -> int:
-    import socket
+    from zerotune.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again on exit: connecting is refused at once
+    return free_port()  # closed again on return: connecting is refused at once
 
 
 def test_fetch_random_init_and_local_folder_recipes_has_nothing_to_do(tmp_path, tiny_model_dir):

@@ -7,8 +7,7 @@ import os
 import sys
 
 from .config import explain, load_recipe
-from .errors import EXIT_CODE, UserError, hand_off, report
-from .layout import layout
+from .errors import UserError, report
 from .quiet import silence_known_noise
 
 STAGES = ["fetch", "prepare", "train", "quantize", "check", "eval", "serve", "plan", "explain"]
@@ -24,7 +23,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="train: start even if the plan predicts it will not fit in memory or on disk")
     p.add_argument("--dry-run", action="store_true", help="train: print the resolved plan and exit")
     p.add_argument("--json", action="store_true", help="plan: machine-readable output")
-    p.add_argument("--finalize", action="store_true", help="train (internal): verify and publish the model a finished run saved")
     return p
 
 
@@ -38,16 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "explain":
         print(explain())
         return 0
-    r = None
     try:
         r = load_recipe(args.recipe, args.overrides)
         os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-        return _stage(args, argv, r)
+        return _stage(args, r)
     except UserError as e:
-        if args.stage == "train" and "LOCAL_RANK" in os.environ:  # a torchrun worker: report once, not per rank
-            if r is not None:
-                return hand_off(layout(r).train, e)
-            return report(e) if os.environ["LOCAL_RANK"] == "0" else EXIT_CODE
         return report(e)
 
 
@@ -60,12 +53,12 @@ BANNERS = {"prepare": ("tokenize, label and pack the data", "data"),
 
 def _banner(args, r) -> None:
     """On stdout with the stage's own lines (stderr is for errors); plan, whose --json owns stdout, has none."""
-    if args.stage in BANNERS and not (args.finalize or args.dry_run or "LOCAL_RANK" in os.environ):
+    if args.stage in BANNERS and not args.dry_run:
         what, sub = BANNERS[args.stage]
         print(f"== zerotune {args.stage} {r.name}: {what} -> {r.out / sub}", flush=True)
 
 
-def _stage(args, argv: list[str], r) -> int:
+def _stage(args, r) -> int:
     _banner(args, r)
     if args.stage == "fetch":
         from .weights import fetch
@@ -74,18 +67,12 @@ def _stage(args, argv: list[str], r) -> int:
         from .data.prepare import prepare
         prepare(r, rebuild=args.rebuild)
     elif args.stage == "train":
-        from . import train
-        if args.finalize:
-            train.finalize(r)
-            return 0
         if args.dry_run:
             from .plan import dry_run
             print(dry_run(r))
             return 0
-        if "LOCAL_RANK" in os.environ:
-            train.worker(r)
-        else:
-            return train.launch(r, [a for a in argv if a != "--skip-preflight"], skip_preflight=args.skip_preflight)
+        from .train import launch  # the ranks and finalize start from the run folder: train/__main__.py
+        return launch(r, skip_preflight=args.skip_preflight)
     elif args.stage == "quantize":
         from .quantize import quantize
         quantize(r)

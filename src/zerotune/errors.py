@@ -9,7 +9,7 @@ the traceback of a user error too.
 
 Under torchrun every rank may hit the same error: local rank 0 prints it and hands it to the
 launcher in `runs/<r>/train/error.json` (other ranks write `error.rank<N>.json` silently), and
-`torchrun()` below keeps torchrun's own failure report (a ChildFailedError traceback and a table
+train/torchrun.py keeps torchrun's own failure report (a ChildFailedError traceback and a table
 per run) off the terminal when a handoff exists.
 """
 
@@ -74,34 +74,3 @@ def read_handoff(train_dir: Path) -> dict | None:
         except (FileNotFoundError, json.JSONDecodeError):
             continue
     return None
-
-
-def torchrun(argv: list[str]) -> None:
-    """`python -m torch.distributed.run` that stays quiet when the workers failed on a user error.
-
-    argv: the train directory (where the handoff lands), then torchrun's arguments. On a ChildFailedError
-    with a handoff, torchrun's failure logging and traceback are dropped and the exit code is 2; without one
-    (a crash, a signal, a bug) everything torchrun prints is kept.
-    """
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main
-
-    train_dir = Path(argv[0])
-
-    def no_handoff(_record) -> bool:
-        return read_handoff(train_dir) is None
-
-    # On every handler torch has set up by now (its own glog-style one on "torch" included): a filter on a
-    # logger does not see its children's records. Checked when a record is emitted, i.e. after a worker failed.
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]
-    for h in {h for lg in loggers for h in lg.handlers} | {logging.lastResort}:
-        h.addFilter(no_handoff)
-    try:
-        main(argv[1:])
-    except ChildFailedError:
-        if read_handoff(train_dir) is not None:
-            sys.exit(EXIT_CODE)
-        raise

@@ -3,9 +3,9 @@
     <output_dir>/                     recipe `output_dir` (default runs/<recipe>)
       data/          prepare          train/ eval/ (Arrow), manifest.json (fingerprint, counts), lengths.png
       base/          train            a random init materialised from model.init_config (pretrained: model.name_or_path)
-      train/         train            metrics.jsonl, samples.jsonl, validation_failed.json, curves.png, manifest.json,
-                                      recipe.resolved.yaml;
-                                      handoff between its processes: run.json, stopped.json, error*.json;
+      train/         train            metrics.jsonl, samples.jsonl, validation_failed.json, curves.png, manifest.json;
+                                      handoff between its processes: recipe.resolved.yaml (written by the
+                                      launcher, read by every rank and finalize), run.json, stopped.json, error*.json;
                                       between sbatch attempts: stopped_before_training.json
       checkpoints/   train            checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json)
       model.tmp/     train            the consolidated save, verified before it becomes model/
@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Recipe, resolve_path
+
+RESOLVED_RECIPE = "recipe.resolved.yaml"  # in each stage's output folder: the recipe that made it
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ class RunLayout:
         return self.out / "plan"
 
     # train/: what one run's processes write for each other and for the stages after it
+    @property
+    def run_recipe(self) -> Path:  # launcher -> every rank and finalize: the recipe resolved once, overrides applied
+        return self.train / RESOLVED_RECIPE
+
     @property
     def metrics(self) -> Path:
         return self.train / "metrics.jsonl"

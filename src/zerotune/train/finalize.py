@@ -1,4 +1,5 @@
-"""Rank 0's last process of a run (`zerotune train ... --finalize`): verify the consolidated save, then publish it.
+"""Rank 0's last process of a run (`python -m zerotune.train finalize RUN_DIR`): verify the consolidated save,
+then publish it.
 
 A fresh process, so that reloading cannot trigger ZeRO-3 collectives; the other ranks have exited. The old
 model/ is replaced only once the new one has passed verification (PEFT: the adapter is verified, merged into
@@ -47,7 +48,6 @@ def finalize(r: Recipe) -> dict:
                 "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
                 "verify": report, "model_sha256": {f: mf.sha256(out / f) for f in report["files"]}}
     mf.write(paths.train / "manifest.json", manifest)
-    mf.write_resolved_recipe(paths.train, r)
     plot_curves(paths.metrics, paths.train / "curves.png")
     shown = " -> ".join(f"{x:.4f}" if x is not None else "n/a" for x in (manifest["first_loss"], manifest["final_loss"]))
     print(f"train: done in {run.elapsed_s if run else 0:.0f}s; loss {shown}; "

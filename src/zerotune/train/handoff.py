@@ -76,3 +76,20 @@ class Stopped(_JsonFile):
     signal: str
     checkpoint: str | None
     committed: bool
+
+
+@dataclass
+class Outcome:
+    """How the workers ended, read from the run folder by whoever started them: `zerotune train` (launch.py)
+    and slurm/finetune.sbatch (slurm/job.py) read it the same way and each says it in its own words (only
+    sbatch requeues)."""
+    rc: int
+    stopped: Stopped | None  # stopped early on a signal or the deadline: run again to resume
+    user_error: dict | None  # a worker's user error (errors.hand_off), printed by local rank 0 unless "printed" is False
+
+    @classmethod
+    def read(cls, run, rc: int) -> Outcome:
+        from ..errors import read_handoff
+
+        stopped = Stopped.read(run.stopped) if rc != 0 else None
+        return cls(rc, stopped, read_handoff(run.train) if rc != 0 and not stopped else None)

@@ -1,13 +1,13 @@
-"""The parent process of `zerotune train`: check and build what the workers need, then start torchrun.
+"""The parent process of `zerotune train`: check and build what the workers need, resolve the recipe into the
+run folder, then start torchrun (`python -m zerotune.train torchrun RUN_DIR ...`, see __main__.py).
 
-slurm/job.py runs `before_launch` too, before srun starts torchrun on every node.
+slurm/job.py runs `before_launch` too, before srun starts the same torchrun on every node.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +17,8 @@ from .. import manifest as mf
 from ..config import Recipe, resolve_path
 from ..data.prepare import load_tokenizer, require_prepared
 from ..layout import layout
-from .handoff import Stopped
+from ..ports import free_port
+from .handoff import Outcome
 
 
 def materialise_base(r: Recipe) -> Path:
@@ -47,7 +48,7 @@ def materialise_base(r: Recipe) -> Path:
 
 
 def before_launch(r: Recipe, skip_preflight: bool = False) -> None:
-    """What is checked and built before any worker starts."""
+    """What is checked and built before any worker starts, and the recipe every process of the run reads."""
     from ..plan import disk_preflight, preflight
     from ..weights import require_weights
 
@@ -57,15 +58,12 @@ def before_launch(r: Recipe, skip_preflight: bool = False) -> None:
         preflight(r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)
         disk_preflight(r, r.out)
     materialise_base(r)
+    mf.write_resolved_recipe(layout(r).train, r)  # layout(r).run_recipe: what the workers and finalize read
+    layout(r).stopped.unlink(missing_ok=True)  # how the workers end is read after they do: only theirs may be there
+    errors.clear_handoffs(layout(r).train)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(r: Recipe, argv: list[str], skip_preflight: bool = False) -> int:
+def launch(r: Recipe, skip_preflight: bool = False) -> int:
     """Start the distributed job; returns its exit code."""
     import torch
 
@@ -78,22 +76,19 @@ def launch(r: Recipe, argv: list[str], skip_preflight: bool = False) -> int:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's accelerator plumbing; gloo without oneCCL
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default then: stated here, it prints no banner about it
-    torchrun = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-                "-m", "zerotune", *argv]
+    torchrun = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+                "-m", "zerotune.train", "worker", str(r.out)]
     print(f"train: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: torchrun {' '.join(torchrun)}", flush=True)
-    errors.clear_handoffs(layout(r).train)
-    # torchrun through errors.torchrun: on a worker's user error, its failure report stays off the terminal
-    rc = subprocess.call([sys.executable, "-c", "import sys; from zerotune.errors import torchrun; torchrun(sys.argv[1:])",
-                          str(layout(r).train), *torchrun], env=env)
-    return _outcome(r, rc)
+    rc = subprocess.call([sys.executable, "-m", "zerotune.train", "torchrun", str(r.out), *torchrun], env=env)
+    return _say_outcome(r, Outcome.read(layout(r), rc))
 
 
-def _outcome(r: Recipe, rc: int) -> int:
+def _say_outcome(r: Recipe, o: Outcome) -> int:
     """What the workers' exit means, in one line: stopped (REQUEUE_EXIT: run again to resume), a user error (2), a failure."""
     from ..checkpoint import REQUEUE_EXIT
 
-    stopped = Stopped.read(layout(r).stopped)
-    if rc != 0 and stopped:
+    stopped, rc = o.stopped, o.rc
+    if stopped:
         if stopped.committed:
             print(f"train: stopped on {stopped.signal} at step {stopped.step} with committed checkpoint "
                   f"{stopped.checkpoint}; run the same command again to resume.", flush=True)
@@ -101,10 +96,9 @@ def _outcome(r: Recipe, rc: int) -> int:
             print(f"train: stopped on {stopped.signal} before training started, without a new checkpoint; run "
                   f"the same command again to resume from {stopped.checkpoint or 'the beginning'}.", flush=True)
         return REQUEUE_EXIT
-    handoff = errors.read_handoff(layout(r).train) if rc != 0 else None
-    if handoff:  # a worker's user error, printed once by local rank 0 unless only another rank hit it
-        if not handoff["printed"]:
-            print(f"zerotune: {handoff['message']}", file=sys.stderr, flush=True)
+    if o.user_error:  # printed once by local rank 0 unless only another rank hit it
+        if not o.user_error["printed"]:
+            print(f"zerotune: {o.user_error['message']}", file=sys.stderr, flush=True)
         return errors.EXIT_CODE
     if rc != 0:
         print(f"train: the distributed job failed (exit {rc}); {layout(r).model} and committed checkpoints "

@@ -45,12 +45,12 @@ def worker(r: Recipe) -> None:
     elapsed = train_or_stop(r, run, trainer, stop, commit, resume)
     save_for_finalize(r, run, trainer, n_params, n_trainable, elapsed)
     metrics.detach()  # its gradient hooks would keep the Trainer alive (QLoRA: release_training_states)
-    finalizes = run.rank == 0
+    finalizes, run_dir = run.rank == 0, r.out
     model_ref = weakref.ref(model)
     del run, model, trainer, metrics, commit  # what this function holds of training; the rest: release_training_states
     if finalizes:
         release_training_states(model_ref)
-        start_finalize()
+        start_finalize(run_dir)
 
 
 @dataclass
@@ -347,11 +347,11 @@ def _malloc_trim() -> None:
         pass
 
 
-def start_finalize() -> None:
+def start_finalize(run_dir) -> None:
     """Verify and publish in a fresh process: reloading here would run ZeRO-3 collectives, and the same step
     must run whether torchrun was started by `zerotune train` or by sbatch."""
     from .finalize import job_cpus
 
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env["OMP_NUM_THREADS"] = str(job_cpus())  # the launcher set 1 per training rank; finalize is alone now
-    subprocess.check_call([sys.executable, "-m", "zerotune", *sys.argv[1:], "--finalize"], env=env)
+    subprocess.check_call([sys.executable, "-m", "zerotune.train", "finalize", str(run_dir)], env=env)

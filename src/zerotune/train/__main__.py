@@ -1,0 +1,55 @@
+"""The processes of one training run, each started from its run folder, never from the user's command line:
+
+    python -m zerotune.train torchrun RUN_DIR TORCHRUN_ARGS...   one per node: torch.distributed.run (torchrun.py)
+    python -m zerotune.train worker RUN_DIR                       every rank, as torchrun starts it (worker.py)
+    python -m zerotune.train finalize RUN_DIR                     rank 0's last process: verify, publish (finalize.py)
+
+`zerotune train` (launch.py) and slurm/finetune.sbatch start them the same way. The launcher resolved the
+recipe once, overrides and the allocation applied, into RUN_DIR/train/recipe.resolved.yaml; every rank and
+finalize read that file, so they cannot disagree with it or with each other.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROLES = ("torchrun", "worker", "finalize")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ROLES:
+        print(__doc__, file=sys.stderr)
+        return 2
+    role, run = argv[0], Path(argv[1])
+    if role == "torchrun":
+        from .torchrun import run_torchrun
+        return run_torchrun(run, argv[2:])
+
+    from ..config import load_recipe
+    from ..errors import MissingInputError, UserError, hand_off, report
+    from ..layout import RunLayout
+    from ..quiet import silence_known_noise
+
+    silence_known_noise()
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    paths = RunLayout(run)
+    try:
+        if not paths.run_recipe.exists():
+            raise MissingInputError(f"{paths.run_recipe} not found: these processes are started by `zerotune "
+                                    "train RECIPE` or slurm/finetune.sbatch, which write it first.")
+        r = load_recipe(str(paths.run_recipe))
+        if role == "worker":
+            from .worker import worker
+            worker(r)
+        else:
+            from .finalize import finalize
+            finalize(r)
+    except UserError as e:  # a worker hands it to the launcher (printed once, by local rank 0)
+        return hand_off(paths.train, e) if role == "worker" else report(e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
