@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
 from conftest import read_metrics as metrics
-from conftest import zt
+from conftest import TINY_STEPS, zt
 
 pytestmark = pytest.mark.integration
 
@@ -16,6 +18,33 @@ pytestmark = pytest.mark.integration
 def trained(tiny_trained_40):
     """tiny, 40 steps on 2 ZeRO-3 CPU ranks: the session's shared run (conftest), not a retrain."""
     return tiny_trained_40
+
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_zero3_2ranks_40_steps.json"
+
+
+def test_per_step_losses_equal_the_golden_file(trained):
+    """The 2-rank tiny run's loss and grad norm at every step, against a file in the repository (torchtune's
+    recipe tests): a change of training behaviour shows as a failing diff, not as a number nobody compares.
+    Regenerate, after a change that is meant to alter them: ZEROTUNE_UPDATE_GOLDEN=1 pytest -k golden_file.
+    rel 1e-4 on the loss: exact on one machine (OMP_NUM_THREADS=1 per rank), margin for another CPU's kernels."""
+    import deepspeed
+    import torch
+    import transformers
+
+    rows = metrics(trained[0])
+    got = {"run": "zerotune train tiny " + " ".join(TINY_STEPS) + " (2 CPU ranks, ZeRO-3)",
+           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "deepspeed": deepspeed.__version__},
+           "steps": [r["step"] for r in rows], "loss": [r["loss"] for r in rows],
+           "grad_norm": [r["grad_norm"] for r in rows]}
+    if os.environ.get("ZEROTUNE_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    assert got["steps"] == want["steps"] == list(range(1, 41))
+    for step, a, b, ga, gb in zip(got["steps"], got["loss"], want["loss"], got["grad_norm"], want["grad_norm"]):
+        assert a == pytest.approx(b, rel=1e-4), f"step {step}: loss {a} != golden {b} ({want['versions']})"
+        assert ga == pytest.approx(gb, rel=1e-3), f"step {step}: grad_norm {ga} != golden {gb}"
 
 
 def test_zero3_world_size_2_is_in_the_log(trained):
