@@ -107,3 +107,22 @@ def test_disk_preflight_refuses_a_too_small_file_system(tmp_path, monkeypatch):
         disk_preflight(r, tmp_path / "run")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**40, 0, 400 * 2**30))
     assert disk_preflight(r, tmp_path / "run")["peak_bytes"] == 3 * d["checkpoint_bytes"] < 400 * 2**30
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_the_plan_books_the_steps_the_worker_trains(tmp_path, packing):
+    """One count of optimizer steps (BatchPlan.total_steps), in sequences. Unpacked, tiny's 2,769 documents are
+    2,769 rows of 4 per step: the worker trains 1,384 steps in 2 epochs, where the plan's old tokens / global
+    batch (78,966 / 1,024) booked 154."""
+    from datasets import load_from_disk
+
+    from zerotune.batch import derive
+    from zerotune.data.prepare import prepare
+    from zerotune.train.args import total_steps
+
+    r = load_recipe("tiny", [f"output_dir={tmp_path}", f"data.packing={str(packing).lower()}", "train.epochs=2"])
+    prepare(r)
+    n = len(load_from_disk(str(tmp_path / "data" / "train")))
+    bp = derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, 2)
+    data = compute_plan(r, gpu="cpu", gpus_per_node=2, nodes=1)["data"]
+    assert data["train_sequences"] == n and data["total_steps"] == total_steps(n, bp, r) == 2 * (n // 4)

@@ -32,6 +32,19 @@ class BatchPlan:
     def sequences_per_step(self) -> int:
         return self.micro_batch_size * self.world_size * self.grad_accum
 
+    def steps_per_epoch(self, n_sequences: int) -> int:
+        """Whole optimizer steps in one pass over the prepared sequences (the Trainer drops the last partial one).
+        Counted in sequences, not tokens: an unpacked row is one document, shorter than seq_len, so tokens /
+        global batch would count far fewer steps than the Trainer takes."""
+        return n_sequences // self.sequences_per_step
+
+    def total_steps(self, n_sequences: int, max_steps: int, epochs: float) -> int:
+        """The run's optimizer steps, as the worker trains them and the plan books them (0: not one step of data)."""
+        if max_steps > 0:
+            return max_steps
+        per_epoch = self.steps_per_epoch(n_sequences)
+        return max(1, int(per_epoch * epochs)) if per_epoch else 0
+
     def describe(self) -> str:
         return (f"global batch {self.global_batch_tokens:,} tokens = seq_len {self.seq_len:,} x micro-batch "
                 f"{self.micro_batch_size} x world {self.world_size} x grad-accum {self.grad_accum} "

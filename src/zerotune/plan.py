@@ -82,7 +82,7 @@ def _peft(r: Recipe, shape):
     return r.peft.method, peft_trainable_params(shape, r.peft.r, r.peft.target_modules, r.peft.modules_to_save)
 
 
-def _disk(r: Recipe, shape, choice, peft) -> dict:
+def _disk(r: Recipe, shape, choice, peft, total_steps: int | None) -> dict:
     """Bytes on the shared file system: each checkpoint holds the fp32 master weights and Adam m, v of the
     trainable parameters (12 B each, split over ranks) plus the Trainer's own save of the model (the gathered
     16-bit weights, or the adapter); finalize stages the published model beside them. Per event, counting the
@@ -94,7 +94,7 @@ def _disk(r: Recipe, shape, choice, peft) -> dict:
     paths = layout(r)
     events = disk_events(checkpoint_bytes=ckpt, model_bytes=model, adapter_bytes=w * trainable if peft else None,
                          save_total_limit=r.train.save_total_limit, save_steps=r.train.save_steps,
-                         total_steps=_data_steps(r)["total_steps"],  # None until the data is prepared
+                         total_steps=total_steps,  # None until the data is prepared
                          now=held(paths.checkpoints, paths.model_staging))
     return {"checkpoint_bytes": ckpt, "model_bytes": model, **events}
 
@@ -276,14 +276,14 @@ def _node_advice(rows, own, gpn, capacity, tokens: int) -> list[str]:
 HPZ_WORTH = 0.05  # advise hpZ when it saves at least this share of the step: less is within the model's error
 
 
-def _data_steps(r: Recipe) -> dict:
+def _data_steps(r: Recipe, bp: batchmod.BatchPlan | None) -> dict:
+    """The run's optimizer steps from the prepared sequences, counted as the worker counts them (BatchPlan)."""
     man = mf.read(layout(r).data / "manifest.json")
-    if not man or "tokens" not in man:
-        return {"train_tokens": None, "steps_per_epoch": None, "total_steps": None}
-    tokens = man["tokens"]["train_total"]
-    per_epoch = tokens / r.train.global_batch_tokens
-    total = r.train.max_steps if r.train.max_steps > 0 else math.floor(per_epoch * r.train.epochs)
-    return {"train_tokens": tokens, "steps_per_epoch": per_epoch, "total_steps": total}
+    if not man or "sequences" not in man or bp is None:
+        return {"train_sequences": None, "steps_per_epoch": None, "total_steps": None}
+    n = man["sequences"]["train"]
+    return {"train_sequences": n, "sequences_per_step": bp.sequences_per_step, "steps_per_epoch": bp.steps_per_epoch(n),
+            "total_steps": bp.total_steps(n, r.train.max_steps, r.train.epochs)}
 
 
 def _inference(r: Recipe, shape) -> dict:
@@ -329,8 +329,8 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     except batchmod.BatchError as e:
         own_batch, batch_error = None, str(e)
     phases = _phases(r, shape, choice, zero, g, gpn, world, capacity, own_mem)
-
-    disk = _disk(r, shape, choice, _peft(r, shape))
+    data = _data_steps(r, own_batch)
+    disk = _disk(r, shape, choice, _peft(r, shape), data["total_steps"])
     save_s = disk["checkpoint_bytes"] / SAVE_BYTES_PER_S
     time_kw = dict(gpus_per_node=gpn, precision=choice.precision, zero=zero, save_s=save_s, cluster=cluster)
 
@@ -373,11 +373,10 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     if time["seconds_per_step"] and g.cluster and _zero_settings(zero)["zero_stage"] == 3:  # multi-node = ZeRO-3 here
         time["nodes"] = _node_table(r, shape, g, gpu_name, choice, zero, accum, gpn, docs, save_s, capacity,
                                     cluster or g.cluster)
-    data = _data_steps(r)
     warnings = []
     if data["total_steps"] is not None and data["total_steps"] < MIN_STEPS:
-        warnings.append(f"only {data['total_steps']} optimizer steps in this run ({data['train_tokens']:,} tokens / "
-                        f"{r.train.global_batch_tokens:,} per step x {r.train.epochs} epochs): fewer than {MIN_STEPS} "
+        warnings.append(f"only {data['total_steps']} optimizer steps in this run ({data['train_sequences']:,} sequences "
+                        f"/ {data['sequences_per_step']:,} per step x {r.train.epochs} epochs): fewer than {MIN_STEPS} "
                         "steps make warmup and cosine decay meaningless; lower train.global_batch_tokens or add data.")
     if zero and (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme"):
         if time.get("terms"):
@@ -572,8 +571,8 @@ def format_plan(p: dict) -> str:
     lines += format_time(p)
     d = p["data"]
     if d["steps_per_epoch"] is not None:
-        lines.append(f"  data: {d['train_tokens']:,} tokens = {d['steps_per_epoch']:.2f} optimizer steps per epoch; "
-                     f"{d['total_steps']} in this run")
+        lines.append(f"  data: {d['train_sequences']:,} sequences = {d['steps_per_epoch']:,} optimizer steps per "
+                     f"epoch ({d['sequences_per_step']:,} sequences each); {d['total_steps']} in this run")
     else:
         lines.append("  data: not prepared yet (run `zerotune prepare`) - steps per epoch unknown")
     dk = p["disk"]

@@ -56,13 +56,11 @@ def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choic
 
 
 def total_steps(n_sequences: int, bp: batchmod.BatchPlan, r: Recipe) -> int:
-    if r.train.max_steps > 0:
-        return r.train.max_steps
-    per_epoch = n_sequences // bp.sequences_per_step
-    if per_epoch == 0:
+    steps = bp.total_steps(n_sequences, r.train.max_steps, r.train.epochs)
+    if steps == 0:
         raise UserError(f"the prepared data has {n_sequences} sequences, fewer than one optimizer step "
                          f"({bp.sequences_per_step}); lower train.global_batch_tokens or add data.")
-    return max(1, int(per_epoch * r.train.epochs))
+    return steps
 
 
 def collate_packed(rows):
