@@ -80,3 +80,13 @@ def test_make_passes_section_key_overrides_on_its_own_command_line():
     out = subprocess.run(["make", "-n", "finetune", "RECIPE=tiny", "train.lr=1e-3", "ARGS=data.seq_len=128"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "-m zerotune train tiny train.lr=1e-3 data.seq_len=128" in out, out
+
+
+def test_the_plan_gpu_is_validated_against_the_gpu_table_at_load():
+    """One table of GPUs (hardware.GPUS): the recipe schema refuses a name it lacks, as it does quant types."""
+    from zerotune.config import RecipeError, load_recipe
+    from zerotune.hardware import GPUS
+
+    with pytest.raises(RecipeError, match=r"plan.gpu: 'v100' is not one of .*Did you mean 'v100-32gb'"):
+        load_recipe("tiny", ["plan.gpu=v100"])
+    assert {load_recipe("tiny", [f"plan.gpu={g}"]).plan.gpu for g in GPUS} == set(GPUS)

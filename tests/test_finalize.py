@@ -7,7 +7,8 @@ import pytest
 
 from zerotune.config import load_recipe
 from zerotune.errors import UserError
-from zerotune.verify import PROBE_TOKENS, dtype_bytes, model_dtype, probe_bytes, probe_inputs
+from zerotune.hardware import dtype_bytes
+from zerotune.verify import PROBE_TOKENS, model_dtype, probe_bytes, probe_inputs
 
 LLAMA8B_PARAMS = 8_030_261_248
 LLAMA8B_VOCAB = 128_256

@@ -130,7 +130,7 @@ def test_serve_without_a_gguf(tmp_path, capfd):
 
 def test_unknown_plan_gpu_is_a_user_error(tmp_path, capfd):
     rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path}", "plan.gpu=v101")
-    assert_one_message(rc, err, "plan.gpu 'v101' unknown")
+    assert_one_message(rc, err, "plan.gpu: 'v101' is not one of ['v100-32gb', 't4', 'a100-80gb', 'h100-80gb', 'cpu']")
 
 
 def test_hardware_that_cannot_do_the_precision_is_a_user_error(tmp_path, capfd):

@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from .errors import UserError
+from .hardware import GPUS
 from .quant_types import QUANT_TYPES
 from .scorers import SCORERS
 
@@ -148,6 +149,7 @@ class EvalSetCfg:
 class EvalCfg:
     sets: list = _f([], "Held-out sets scored by `zerotune eval` (base vs fine-tuned HF vs GGUF), see EvalSetCfg; empty = data.heldout scored exact")
     samples: int = _f(4, "Held-out prompts (first set) answered greedily at each in-training evaluation; 0 = none")
+    batch_size: int = _f(8, "Prompts the HF models answer per generate() call in check and eval (left-padded; the same greedy answers as one at a time)")
     lm_eval_tasks: list = _f([], "lm-evaluation-harness tasks run by `zerotune eval`; zerotune_heldout = the local task built from the first set")
     lm_eval_limit: Optional[int] = _f(None, "lm-eval: examples per task; null = all")
 
@@ -161,9 +163,12 @@ class ServeCfg:
     api_key: Optional[str] = _f(None, "Require this bearer token (better: ZEROTUNE_API_KEY in the environment)")
 
 
+GPUName = Literal[tuple(GPUS)]  # one table of GPUs: hardware.py
+
+
 @dataclass
 class PlanCfg:
-    gpu: str = _f("cpu", "Target accelerator for the plan and dry-run: v100-32gb, t4, a100-80gb, h100-80gb, cpu")
+    gpu: GPUName = _f("cpu", "Target accelerator for the plan and dry-run: " + ", ".join(GPUS))
     gpus_per_node: int = _f(2, "Processes (GPUs) per node on the target cluster")
     nodes: int = _f(1, "Nodes on the target cluster")
     cpu_ram_gb: float = _f(24, "CPU RAM per node, GB")

@@ -85,6 +85,13 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of what a run trains and saves in
+
+
+def dtype_bytes(precision: str) -> int:
+    return PRECISION_BYTES[precision]
+
+
 @dataclass(frozen=True)
 class Choice:
     precision: str  # fp32 | fp16 | bf16

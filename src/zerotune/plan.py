@@ -56,7 +56,7 @@ def _capacity_bytes(r: Recipe, g: hardware.GPU, gpus_per_node: int) -> int:
 
 def _grad_accum_bytes(ds: dict | None) -> int | None:
     """DeepSpeed's gradient accumulation dtype (data_types.grad_accum_dtype; None: the model's)."""
-    return {"fp32": 4, "fp16": 2, "bf16": 2}.get(((ds or {}).get("data_types") or {}).get("grad_accum_dtype"))
+    return hardware.PRECISION_BYTES.get(((ds or {}).get("data_types") or {}).get("grad_accum_dtype"))
 
 
 def _grad_accum(r: Recipe, seq: int, micro: int, world: int) -> int:
@@ -87,7 +87,7 @@ def _disk(r: Recipe, shape, choice, peft, total_steps: int | None) -> dict:
     trainable parameters (12 B each, split over ranks) plus the Trainer's own save of the model (the gathered
     16-bit weights, or the adapter); finalize stages the published model beside them. Per event, counting the
     committed checkpoints this run already holds: planner/disk.py."""
-    w = 4 if choice.precision == "fp32" else 2
+    w = hardware.dtype_bytes(choice.precision)
     trainable = peft[1] if peft else shape.n_params
     ckpt = 12 * trainable + w * trainable
     model = w * shape.n_params
@@ -197,7 +197,7 @@ def _job(r, shape, flops_per_step, seq, micro, gpn, nodes, precision, zero, save
                          flops_micro=flops_per_step / (world * ga),
                          forward_share=0.25 if r.train.gradient_checkpointing else 1 / 3,
                          tokens_micro=seq * micro, grad_accum=ga, gpus_per_node=gpn, nodes=nodes,
-                         dtype_bytes=4 if precision == "fp32" else 2, zero_stage=zs["zero_stage"],
+                         dtype_bytes=hardware.dtype_bytes(precision), zero_stage=zs["zero_stage"],
                          offload_optimizer=zs["offload_optimizer"], hpz=zs["hpz"] if hpz is None else hpz,
                          save_s=save_s, save_steps=r.train.save_steps)
 
@@ -216,7 +216,7 @@ def _node_table(r, shape, g, gpu_name, choice, zero, accum, gpn, docs, save_s, c
         world = gpn * n
         exact = r.train.global_batch_tokens % (seq * micro * world) == 0
         peak = _memory(r, shape, choice, zero, seq, micro, gpn, n, g, accum)["peak"]
-        hpz_extra = timemodel.hpz_bytes(shape.n_params, 4 if choice.precision == "fp32" else 2, gpn)
+        hpz_extra = timemodel.hpz_bytes(shape.n_params, hardware.dtype_bytes(choice.precision), gpn)
         row = {"nodes": n, "world_size": world, "grad_accum": _grad_accum(r, seq, micro, world), "exact_batch": exact,
                "peak_bytes": peak, "fits": peak <= capacity, "hpz_extra_bytes": hpz_extra if n > 1 else 0,
                "hpz_fits": peak + hpz_extra <= capacity, "clusters": {}}
@@ -397,7 +397,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
                             f"plan.cpu_ram_gb is {r.plan.cpu_ram_gb:g}.")
     hpz = _zero_settings(zero)["hpz"]
     if hpz > 1:
-        extra = timemodel.hpz_bytes(shape.n_params, 4 if choice.precision == "fp32" else 2, hpz)
+        extra = timemodel.hpz_bytes(shape.n_params, hardware.dtype_bytes(choice.precision), hpz)
         warnings.append(f"ZeRO++ hpZ (zero_hpz_partition_size={hpz}): its secondary parameter copy, "
                         f"+{extra / GiB:.2f} GiB per GPU, is not in the memory breakdown above (peak with it "
                         f"{(own_mem['peak'] + extra) / GiB:.2f} of {capacity / GiB:.2f} GiB). Compare the first "

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .hardware import dtype_bytes
+
 PROBE_TOKENS = 256
 
 
@@ -29,10 +31,6 @@ def model_dtype(precision: str):
     import torch
 
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
-
-
-def dtype_bytes(precision: str) -> int:
-    return 2 if precision in ("fp16", "bf16") else 4
 
 
 def probe_inputs(batch: dict) -> dict:

@@ -11,7 +11,8 @@ computes B @ A in fp32 on CPU for 16-bit weights, then casts it to the weight's 
 
 from __future__ import annotations
 
-from ..verify import dtype_bytes, probe_bytes
+from ..hardware import dtype_bytes
+from ..verify import probe_bytes
 from .memory import GiB, ModelShape
 
 INTERPRETER_BYTES = GiB  # python + torch + transformers + peft imported: 0.54 GB RSS measured here; + slack
