@@ -69,7 +69,7 @@ PHASES = textwrap.dedent("""
                                 cross_entropy=False)
     from transformers import LlamaConfig, LlamaForCausalLM
     from zerotune.evaluation import nll_sum
-    from zerotune.metrics import liger_saved_head_grad
+    from zerotune.safety import liger_saved_head_grad
 
     S, V = 128, 2048
     cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

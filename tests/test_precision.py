@@ -13,6 +13,7 @@ from zerotune.batch import derive
 from zerotune.config import load_recipe
 from zerotune.ds_config import build, loss_scale
 from zerotune.metrics import StepMetrics
+from zerotune.safety import FP16OverflowError, LmHeadOverflow, SafetyChecks, scaler_gave_up
 
 
 # ------------------------------------------------------------------------------ item 3: fp16 loss scale
@@ -138,8 +139,9 @@ def test_choice_keeps_liger_below_sm80_and_says_what_it_costs():
 
 
 def _fp16_engine(scale: float, overflow: bool):
-    """What StepMetrics reads of DeepSpeed's engine: the fp16 optimizer's scale and overflow flag (deepspeed 0.19.8
-    runtime/zero/stage3.py `loss_scale` property, `overflow`; engine.skipped_steps; the fp16 config)."""
+    """What StepMetrics and SafetyChecks read of DeepSpeed's engine (metrics.fp16_scaler): the fp16 optimizer's
+    scale and overflow flag (deepspeed 0.19.8 runtime/zero/stage3.py `loss_scale` property, `overflow`;
+    engine.skipped_steps; the fp16 config)."""
     return SimpleNamespace(skipped_steps=0, config={"fp16": {"min_loss_scale": 1}},
                            optimizer=SimpleNamespace(loss_scale=scale, overflow=overflow))
 
@@ -149,19 +151,21 @@ def test_lm_head_overflow_that_the_loss_scaler_resolves_does_not_stop_the_run(tm
     DeepSpeed skips the step and halves the scale on the second overflow (hysteresis 2). Issue 29 item 3: the
     old guard raised on that second step, before its save, and the job was not requeued."""
     model = _tiny_llama(torch.float32)
+    safety = SafetyChecks(max_overflows_at_min_scale=5)
     cb = StepMetrics(tmp_path / "m.jsonl", tokens_per_step=64, label_fraction=1.0, flops_tok=1.0,
-                     peak_tflops=None, world_size=1, max_overflows_at_min_scale=5)
-    cb.watch_grads(model, check_lm_head=True)
+                     peak_tflops=None, world_size=1, safety=safety)
+    safety.watch_lm_head(model)
     args, x = SimpleNamespace(fp16=True, device=torch.device("cpu")), torch.randint(0, 128, (2, 32))
     w = model.get_output_embeddings().weight
     scale = 65536.0
     for step in range(1, 7):  # overflow, overflow (halved), ... as DeepSpeed's scaler would go
         eng = _fp16_engine(scale, overflow=step <= 4)
-        cb.trainer = SimpleNamespace(model_wrapped=eng)
+        safety.trainer = cb.trainer = SimpleNamespace(model_wrapped=eng)
         model.zero_grad()
         loss = model(input_ids=x, labels=x).loss
         (loss + ((w * float("inf")).sum() if step <= 4 else 0)).backward()
-        cb.on_step_end(args, SimpleNamespace(global_step=step), None)
+        for callback in (safety, cb):  # the worker's order
+            callback.on_step_end(args, SimpleNamespace(global_step=step), None)
         if step % 2 == 0 and step <= 4:
             scale /= 2
     assert [r["lm_head_grad_nonfinite"] for r in cb.rows] == [1, 1, 1, 1, 0, 0]
@@ -173,8 +177,6 @@ def test_overflow_at_deepspeeds_minimum_scale_stops_the_run_in_our_words():
     optimizer.step (before any callback), and the worker re-raises it as FP16OverflowError with what to do."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from zerotune.metrics import FP16OverflowError, scaler_gave_up
-
     scaler = DynamicLossScaler(init_scale=1, scale_window=1000, min_scale=1, delayed_shift=1,
                                consecutive_hysteresis=False)  # hysteresis spent, at fp16.min_loss_scale
     with pytest.raises(Exception) as caught:
@@ -184,17 +186,13 @@ def test_overflow_at_deepspeeds_minimum_scale_stops_the_run_in_our_words():
     assert scaler_gave_up(RuntimeError("CUDA out of memory")) is None
 
 
-def test_lm_head_gradient_non_finite_before_scaling_stops_at_once(tmp_path):
+def test_lm_head_gradient_non_finite_before_scaling_stops_at_once():
     """Liger's own gradient (saved in forward, before the loss scale) non-finite in two steps: no scale can cure it."""
-    from zerotune.metrics import FP16OverflowError
-
-    cb = StepMetrics(tmp_path / "m.jsonl", tokens_per_step=64, label_fraction=1.0, flops_tok=1.0,
-                     peak_tflops=None, world_size=1, max_overflows_at_min_scale=5)
-    row = {"step": 1, "loss_scale": 65536.0, "overflow": True, "lm_head_grad_nonfinite": 1,
-           "lm_head_grad_nonfinite_unscaled": 1}
-    cb.safety_checks(dict(row), 1, min_scale=1.0)
+    policy = SafetyChecks(max_overflows_at_min_scale=5).lm_head
+    assert isinstance(policy, LmHeadOverflow) and policy.steps == 2
+    policy.check(1, step=1)  # one micro-batch in step 1 (its loss scale, 65536, is not at the minimum)
     with pytest.raises(FP16OverflowError, match="before loss scaling in 2 steps in a row"):
-        cb.safety_checks(dict(row, step=2), 2, min_scale=1.0)
+        policy.check(1, step=2)
 
 
 LIGER_FP16 = """

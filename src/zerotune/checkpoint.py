@@ -24,10 +24,6 @@ from . import manifest as mf
 MARKER = "zerotune_commit.json"
 
 
-class NonFiniteWeightsError(RuntimeError):
-    pass
-
-
 def step_of(p: Path) -> int:
     """The step of a checkpoint-N folder; -1 for anything else."""
     m = re.fullmatch(r"checkpoint-(\d+)", p.name)
@@ -127,17 +123,6 @@ def rotate(ckpt_root: Path, keep: int | None) -> list[str]:
     return sorted(p.name for p in doomed)
 
 
-def local_weights_finite(model) -> bool:
-    """This rank's weights are finite: under ZeRO-3 each rank checks its own partition (ds_tensor)."""
-    import torch
-
-    for p in model.parameters():
-        t = p.ds_tensor if hasattr(p, "ds_tensor") else p.data
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            return False
-    return True
-
-
 class CommitCheckpoints(TrainerCallback):
     """Replaces HF's save_total_limit rotation (give the Trainer save_total_limit=None)."""
 
@@ -157,6 +142,8 @@ class CommitCheckpoints(TrainerCallback):
         import torch
         import torch.distributed as dist
 
+        from .safety import check_weights, local_weights_finite
+
         self.saving = None  # the files are written; what can fail now is the commit check
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         ok = torch.tensor([1.0 if ckpt.exists() and any(ckpt.iterdir()) else 0.0,
@@ -166,9 +153,7 @@ class CommitCheckpoints(TrainerCallback):
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         previous = last_committed(ckpt.parent, quiet=True)
         kept = f"the last committed checkpoint ({previous}) is intact" if previous else "no earlier checkpoint was committed"
-        if ok[1].item() < 1:
-            raise NonFiniteWeightsError(f"{ckpt} holds non-finite (NaN/inf) weights at step {state.global_step}: "
-                                        f"not committing it; {kept}. Lower train.lr or check the data.")
+        check_weights(ok[1].item() >= 1, ckpt, state.global_step, kept)  # safety.py: never commit NaN/inf weights
         if ok[0].item() < 1:
             raise RuntimeError(f"checkpoint {ckpt} is incomplete on at least one rank; not committing it; {kept}.")
         if state.is_world_process_zero:

@@ -39,6 +39,22 @@ class RunLayout:
         return self.out / "data"
 
     @property
+    def data_train(self) -> Path:  # prepare -> train: the packed training rows (Arrow)
+        return self.data / "train"
+
+    @property
+    def data_eval(self) -> Path:  # prepare -> validation during training, check's logit comparison
+        return self.data / "eval"
+
+    @property
+    def data_manifest(self) -> Path:  # prepare -> train, plan, quantize: fingerprint, counts, lengths
+        return self.data / "manifest.json"
+
+    @property
+    def base_stamp(self) -> Path:  # what a random-init base was made from; reused while it matches
+        return self.base / "zerotune_base.json"
+
+    @property
     def train(self) -> Path:
         return self.out / "train"
 
@@ -63,21 +79,57 @@ class RunLayout:
         return self.gguf.parent
 
     @property
+    def gguf_manifest(self) -> Path:
+        return self.gguf_dir / "manifest.json"
+
+    @property
     def eval(self) -> Path:
         return self.out / "eval"
+
+    @property
+    def eval_json(self) -> Path:
+        return self.eval / "eval.json"
+
+    @property
+    def eval_png(self) -> Path:
+        return self.eval / "eval.png"
+
+    @property
+    def answers(self) -> Path:  # eval and check: every model's answers, keyed by model, set and prompts
+        return self.eval / "answers.json"
 
     @property
     def check(self) -> Path:
         return self.out / "check"
 
     @property
+    def check_json(self) -> Path:
+        return self.check / "check.json"
+
+    @property
     def plan(self) -> Path:
         return self.out / "plan"
+
+    @property
+    def plan_json(self) -> Path:
+        return self.plan / "plan.json"
+
+    @property
+    def plan_png(self) -> Path:
+        return self.plan / "memory.png"
 
     # train/: what one run's processes write for each other and for the stages after it
     @property
     def run_recipe(self) -> Path:  # launcher -> every rank and finalize: the recipe resolved once, overrides applied
         return self.train / RESOLVED_RECIPE
+
+    @property
+    def train_manifest(self) -> Path:  # finalize -> quantize, check: how the published model was trained
+        return self.train / "manifest.json"
+
+    @property
+    def curves(self) -> Path:
+        return self.train / "curves.png"
 
     @property
     def metrics(self) -> Path:

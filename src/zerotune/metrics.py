@@ -20,14 +20,6 @@ from transformers import PrinterCallback, TrainerCallback
 from . import manifest as mf
 
 
-class FP16OverflowError(RuntimeError):
-    pass
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
-
-
 def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> float:
     # 6N for the dense matmuls (fwd + bwd); attention scores and values: 12 * L * d * S,
     # halved for causal masking. Recompute is not counted (model FLOPs, not hardware FLOPs).
@@ -88,64 +80,56 @@ def _hms(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
-def _non_finite(g: torch.Tensor) -> torch.Tensor:
-    """1 if `g` holds an inf or NaN, as a tensor (no sync). Through its extremes: isfinite(g) of the vocab x hidden
-    lm_head gradient would allocate 2 bytes per element (about 1 GiB at 8B); amax/amin propagate NaN and inf."""
-    return (~torch.isfinite(torch.stack([g.amax(), g.amin()]))).any().int()
+def over_ranks(values: list, op: str, device) -> list[float]:
+    """`values` (numbers or 0-d tensors) reduced over all ranks, op "sum" or "max": the same list on every rank;
+    in a single process, the values themselves. One collective for the whole list."""
+    t = torch.tensor([float(v) for v in values])
+    if dist.is_available() and dist.is_initialized():
+        t = t.to(device)
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t.tolist()
 
 
-def scaler_gave_up(exc: BaseException) -> FP16OverflowError | None:
-    """DeepSpeed's dynamic loss scaler raises a plain Exception on an overflow at the minimum scale once its
-    hysteresis is spent (deepspeed 0.19.8 runtime/fp16/loss_scaler.py:256-259; raise_error_at_min_scale is not
-    configurable, precision_config.py:202-209), inside optimizer.step, before any callback sees the step: the
-    run's own at-minimum count never gets there. Said in zerotune's words, or None for any other exception."""
-    if "loss scale already at minimum" not in str(exc):
-        return None
-    return FP16OverflowError(
-        "fp16 gradients overflowed again at DeepSpeed's minimum loss scale (fp16.min_loss_scale): training has "
-        "diverged, and a smaller scale is not allowed. metrics.jsonl shows the loss scale falling and, with Liger, "
-        "whether lm_head's gradient was inf/NaN before loss scaling (lm_head_grad_nonfinite_unscaled). Lower "
-        "train.lr, check the data for extreme samples, or use bf16 on sm80+ GPUs. The last committed checkpoint "
-        "is intact.")
+def deepspeed_engine(trainer):
+    """The Trainer's DeepSpeed engine, or None (no Trainer yet, or no DeepSpeed)."""
+    eng = getattr(trainer, "model_wrapped", None) if trainer else None
+    return eng if hasattr(eng, "optimizer") and hasattr(eng, "skipped_steps") else None
 
 
-def liger_saved_head_grad(output) -> torch.Tensor | None:
-    """The lm_head gradient Liger's fused linear cross entropy computed in forward and saved for backward
-    (liger_kernel 0.8.5 ops/fused_linear_cross_entropy.py:574-578, saved_tensors = (grad_input, grad_weight,
-    grad_bias)), found a few nodes up the model loss's graph; None without Liger or without a loss."""
-    todo = [(getattr(getattr(output, "loss", None), "grad_fn", None), 0)]
-    while todo:
-        fn, depth = todo.pop()
-        if fn is None or depth > 4:  # the loss is Liger's output, divided or scaled at most a few times
-            continue
-        if type(fn).__name__.startswith("LigerFusedLinearCrossEntropyFunction"):
-            saved = fn.saved_tensors
-            return saved[1] if len(saved) > 1 else None
-        todo += [(f, depth + 1) for f, _ in fn.next_functions]
-    return None
+def fp16_scaler(eng) -> dict:
+    """DeepSpeed's fp16 loss scaler after this step: the scale, the steps skipped so far, whether this step
+    overflowed (and was skipped), and the configured minimum scale."""
+    opt = eng.optimizer
+    return {"loss_scale": float(getattr(opt, "loss_scale", getattr(opt, "cur_scale", float("nan")))),
+            "skipped_steps": int(eng.skipped_steps),
+            "overflow": bool(getattr(opt, "overflow", False)),
+            "min_loss_scale": (float(eng.config.get("fp16", {}).get("min_loss_scale", 1))
+                               if hasattr(eng, "config") and isinstance(eng.config, dict) else 1.0)}
 
 
 class StepMetrics(TrainerCallback):
+    """One row per optimizer step: measured at the step's end on every rank (reduced over ranks), printed and
+    appended to metrics.jsonl by rank 0 when the Trainer logs the step. Stopping the run is not its job:
+    safety.SafetyChecks, before it in the Trainer's callbacks, judges each step and loss before it is logged.
+
+    safety: that SafetyChecks; what it found this step (lm_head's non-finite gradients) goes into the row."""
+
     def __init__(self, path: Path, tokens_per_step: int, label_fraction: float, flops_tok: float,
-                 peak_tflops: float | None, world_size: int, max_overflows_at_min_scale: int = 5):
+                 peak_tflops: float | None, world_size: int, safety=None):
         self.path = Path(path)
         self.tokens_per_step = tokens_per_step
         self.label_fraction = label_fraction
         self.flops_tok = flops_tok
         self.peak = peak_tflops
         self.world = world_size
-        self.max_overflows = max_overflows_at_min_scale
+        self.safety = safety
         self.trainer = None
         self._hooks: list = []  # handles of the hooks this callback put on the model: detach() removes them
         self._t0 = None
-        self._overflows_at_min = 0
         self._labels = None  # label tokens seen this step on this rank (a tensor: no sync per micro-batch)
         self.counting = False
         self.watching_grads = False
         self._grad_zero, self._grad_total = None, 0  # zero gradient elements / all, this step, this rank
-        self.checking_head, self._head_bad = False, None  # micro-batches with a non-finite lm_head gradient
-        self._head_unscaled_bad = None  # ... whose gradient was already non-finite before loss scaling (Liger)
-        self.head_bad_total, self._head_unscaled_steps = 0, 0
         self.rows: list[dict] = []
         self.progress: Progress | None = None
 
@@ -175,24 +159,14 @@ class StepMetrics(TrainerCallback):
         self._hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True))
         self.counting = True
 
-    def watch_grads(self, model, n_params: int = 4, check_lm_head: bool = False) -> None:
+    def watch_grads(self, model, n_params: int = 4) -> None:
         """Fraction of gradient elements exactly 0 in the training dtype, per step, on a few weight matrices
         spread over the depth: fp16 gradients below 2^-24 (after loss scaling) flush to zero, and at a large
         GA each micro-batch's gradients are ~1/GA of the usual size. The tensor hook sees each micro-batch's
         gradient as autograd produced it (loss-scaled, model dtype), before ZeRO-3 reduces and accumulates it
         in fp32. Embeddings and lm_head are left out (rows of tokens absent from the batch are truly 0), and so
-        is LoRA A (its gradient is 0 while B is still at its zero init).
-
-        check_lm_head: count micro-batches whose lm_head gradient holds inf/NaN, and tell apart the two causes.
-        Liger's fused CE builds that gradient in forward, before loss scaling, in the 16-bit weight dtype
-        (liger_kernel 0.8.5 ops/fused_linear_cross_entropy.py:116 `torch.zeros_like(weight)`, :375 `+=` per
-        chunk below sm80), saves it for backward (:574-578), and multiplies it there by the upstream gradient,
-        which carries the loss scale (:438-450). So the gradient autograd hands on (the tensor hook) can be
-        inf from ordinary loss-scale overflow, which DeepSpeed's scaler cures by skipping the step and halving
-        the scale (deepspeed/runtime/fp16/loss_scaler.py:256-274, hysteresis 2); the gradient Liger saved
-        (found in the loss's graph by a forward hook) being non-finite is an overflow lowering the scale cannot
-        cure. safety_checks() stops on the second only, and on the first only when it persists at the minimum
-        loss scale."""
+        is LoRA A (its gradient is 0 while B is still at its zero init). lm_head's non-finite gradients are
+        safety.LmHeadOverflow's to count."""
         skip = ("embed", "lm_head", "lora_A")
         cands = [p for name, p in model.named_parameters()
                  if p.requires_grad and len(getattr(p, "ds_shape", p.shape)) >= 2  # ZeRO-3: p.shape is (0,)
@@ -208,22 +182,6 @@ class StepMetrics(TrainerCallback):
             return g
 
         self._grad_zero, self._grad_total = None, 0
-        head = model.get_output_embeddings() if check_lm_head and hasattr(model, "get_output_embeddings") else None
-        if head is not None and head.weight.requires_grad:
-            def head_hook(g):
-                bad = _non_finite(g)
-                self._head_bad = bad if self._head_bad is None else self._head_bad + bad
-                return g
-
-            def unscaled_hook(module, args, output):
-                g = liger_saved_head_grad(output) if module.training else None
-                if g is not None:
-                    bad = _non_finite(g)
-                    self._head_unscaled_bad = bad if self._head_unscaled_bad is None else self._head_unscaled_bad + bad
-
-            self._hooks.append(head.weight.register_hook(head_hook))
-            self._hooks.append(model.register_forward_hook(unscaled_hook))
-            self.checking_head = True
         for p in dict.fromkeys(picked):  # a short model may pick one parameter twice
             self._hooks.append(p.register_hook(hook))
         self.watching_grads = True
@@ -239,7 +197,7 @@ class StepMetrics(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kw):
         if state.is_world_process_zero:
-            eng = self._engine()
+            eng = deepspeed_engine(self.trainer)
             if eng is not None and eng.zero_use_cpu_optimizer():
                 # accelerate replaces the Trainer's torch AdamW with DeepSpeed's CPU Adam under offload
                 # (accelerator.py, map_pytorch_optim_to_deepspeed): say which one steps the weights
@@ -256,88 +214,35 @@ class StepMetrics(TrainerCallback):
         if self._t0 is None:
             self._t0 = time.perf_counter()
 
-    def _engine(self):
-        eng = getattr(self.trainer, "model_wrapped", None) if self.trainer else None
-        return eng if hasattr(eng, "optimizer") and hasattr(eng, "skipped_steps") else None
-
     def on_step_end(self, args, state, control, **kw):
         now = time.perf_counter()
         dt = now - (self._t0 or now)
         self._t0 = now
-        mem = torch.tensor(float(peak_memory_bytes(args.device)))
-        labels = torch.tensor(float(self._labels if self._labels is not None else 0))
-        self._labels = None
-        if dist.is_available() and dist.is_initialized():
-            mem, labels = mem.to(args.device), labels.to(args.device)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            dist.all_reduce(labels, op=dist.ReduceOp.SUM)
-        n_labels = labels.item() if self.counting else self.tokens_per_step * self.label_fraction
-        grad_zero = None
-        if self.watching_grads:
-            zt = torch.tensor([float(self._grad_zero if self._grad_zero is not None else 0), float(self._grad_total)])
-            self._grad_zero, self._grad_total = None, 0
-            if dist.is_available() and dist.is_initialized():
-                zt = zt.to(args.device)
-                dist.all_reduce(zt, op=dist.ReduceOp.SUM)
-            grad_zero = zt[0].item() / zt[1].item() if zt[1].item() > 0 else None
-        head_bad = head_unscaled = None
-        if self.checking_head:
-            hb = torch.tensor([float(self._head_bad if self._head_bad is not None else 0),
-                               float(self._head_unscaled_bad if self._head_unscaled_bad is not None else 0)])
-            self._head_bad = self._head_unscaled_bad = None
-            if dist.is_available() and dist.is_initialized():
-                hb = hb.to(args.device)
-                dist.all_reduce(hb, op=dist.ReduceOp.SUM)
-            head_bad, head_unscaled = int(hb[0].item()), int(hb[1].item())
-            self.head_bad_total += head_bad
+        (mem,) = over_ranks([peak_memory_bytes(args.device)], "max", args.device)
+        labels, grad_zero, grad_total = over_ranks(
+            [self._labels if self._labels is not None else 0, self._grad_zero if self._grad_zero is not None else 0,
+             self._grad_total], "sum", args.device)
+        self._labels, self._grad_zero, self._grad_total = None, None, 0
+        n_labels = labels if self.counting else self.tokens_per_step * self.label_fraction
         row = {"step": state.global_step, "step_time_s": round(dt, 4),
                "tokens_per_s": round(self.tokens_per_step / dt, 1) if dt > 0 else None,
                "tokens_per_s_per_rank": round(self.tokens_per_step / dt / self.world, 1) if dt > 0 else None,
                "label_tokens": int(n_labels),
                "label_tokens_per_s": round(n_labels / dt, 1) if dt > 0 else None,
-               "peak_mem_gib_max_rank": round(mem.item() / 2**30, 3)}
-        if grad_zero is not None:
-            row["grad_zero_frac"] = round(grad_zero, 6)
-        if head_bad is not None:
-            row["lm_head_grad_nonfinite"] = head_bad
-            row["lm_head_grad_nonfinite_unscaled"] = head_unscaled
+               "peak_mem_gib_max_rank": round(mem / 2**30, 3)}
+        if self.watching_grads and grad_total > 0:
+            row["grad_zero_frac"] = round(grad_zero / grad_total, 6)
+        if self.safety is not None:
+            row.update(self.safety.found)  # lm_head_grad_nonfinite, lm_head_grad_nonfinite_unscaled
         if self.peak and dt > 0:
             row["mfu"] = round(self.flops_tok * self.tokens_per_step / dt / (self.peak * 1e12 * self.world), 4)
-        eng, min_scale = self._engine(), None
+        eng = deepspeed_engine(self.trainer)
         if eng is not None and args.fp16:
-            scale = float(getattr(eng.optimizer, "loss_scale", getattr(eng.optimizer, "cur_scale", float("nan"))))
-            row["loss_scale"] = scale
-            row["skipped_steps"] = int(eng.skipped_steps)
-            row["overflow"] = bool(getattr(eng.optimizer, "overflow", False))  # this step was skipped
-            min_scale = (float(eng.config.get("fp16", {}).get("min_loss_scale", 1))
-                         if hasattr(eng, "config") and isinstance(eng.config, dict) else 1.0)
-        self.safety_checks(row, state.global_step, min_scale)
+            scaler = fp16_scaler(eng)
+            row.update({k: scaler[k] for k in ("loss_scale", "skipped_steps", "overflow")})  # overflow: skipped
         self.rows.append(row)
         if self.progress is not None:
             self.progress.update(state.global_step)
-
-    def safety_checks(self, row: dict, step: int, min_scale: float | None) -> None:
-        """Stop the run (on every rank: the inputs were reduced) when fp16 cannot recover by itself. Each skipped
-        step costs hours at 8B, so what loss scaling cannot cure stops at once; what it can, only when it persists
-        at the minimum scale (min_scale: DeepSpeed's; None without a loss scaler), where nothing is left to lower.
-        DeepSpeed's own scaler raises there first (scaler_gave_up); the count is for a scaler that does not."""
-        at_min = min_scale is not None and row.get("overflow", False) and row["loss_scale"] <= min_scale
-        self._overflows_at_min = self._overflows_at_min + 1 if at_min else 0
-        if row.get("lm_head_grad_nonfinite_unscaled"):
-            self._head_unscaled_steps += 1
-        else:
-            self._head_unscaled_steps = 0
-        if self._head_unscaled_steps >= min(2, self.max_overflows):  # Liger's own sum: no scale can cure it
-            raise FP16OverflowError(
-                f"lm_head's gradient was inf/NaN before loss scaling in {self._head_unscaled_steps} steps in a row "
-                f"(step {step}): Liger's fused cross entropy sums it in fp16 in forward, so DeepSpeed lowering the "
-                "scale cannot fix it. Use train.liger=off with a shorter data.seq_len (`zerotune plan` shows what "
-                "fits), or bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
-        if self._overflows_at_min >= self.max_overflows:
-            raise FP16OverflowError(
-                f"fp16 gradients overflowed {self._overflows_at_min} steps in a row at the minimum loss scale "
-                f"{min_scale:g} (step {step}): training has diverged. Lower train.lr, check the data "
-                "for extreme samples, or use bf16 on sm80+ GPUs. The last committed checkpoint is intact.")
 
     def amend(self, step: int, fields: dict) -> None:
         """Add measurements made after the step's row was written (validation runs after the step's save)."""
@@ -349,10 +254,6 @@ class StepMetrics(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kw):
         logs = dict(logs or {})
-        loss = logs.get("loss")
-        if loss is not None and not math.isfinite(loss):
-            raise NonFiniteLossError(f"loss is {loss} at step {state.global_step}: stopping before it reaches a checkpoint. "
-                                     "Check the data (a sequence with no label tokens gives 0/0) and the learning rate.")
         if not state.is_world_process_zero or "loss" not in logs:
             return
         row = self.rows[-1] if self.rows and self.rows[-1]["step"] == state.global_step else {"step": state.global_step}

@@ -133,7 +133,7 @@ def attention_kind(attention: str, packing: bool, micro: int) -> str:
 
 
 def _doc_lengths(r: Recipe) -> dict | None:
-    man = mf.read(layout(r).data / "manifest.json")
+    man = mf.read(layout(r).data_manifest)
     return man.get("doc_length") if man else None
 
 
@@ -278,7 +278,7 @@ HPZ_WORTH = 0.05  # advise hpZ when it saves at least this share of the step: le
 
 def _data_steps(r: Recipe, bp: batchmod.BatchPlan | None) -> dict:
     """The run's optimizer steps from the prepared sequences, counted as the worker counts them (BatchPlan)."""
-    man = mf.read(layout(r).data / "manifest.json")
+    man = mf.read(layout(r).data_manifest)
     if not man or "sequences" not in man or bp is None:
         return {"train_sequences": None, "steps_per_epoch": None, "total_steps": None}
     n = man["sequences"]["train"]
@@ -640,10 +640,10 @@ def plot_memory(p: dict, path) -> None:
 
 def plan_main(r: Recipe, as_json: bool = False) -> int:
     p = compute_plan(r)  # PlanError / CapabilityError: user errors, reported by cli.main
-    out = layout(r).plan
-    plot_memory(p, out / "memory.png")
-    mf.write(out / "plan.json", p)
-    print(json.dumps(p, indent=2, default=str) if as_json else format_plan(p) + f"\n\nwrote {out / 'memory.png'}")
+    paths = layout(r)
+    plot_memory(p, paths.plan_png)
+    mf.write(paths.plan_json, p)
+    print(json.dumps(p, indent=2, default=str) if as_json else format_plan(p) + f"\n\nwrote {paths.plan_png}")
     return 0 if p["recipe_config"]["fits"] else 1
 
 

@@ -79,13 +79,13 @@ def quantize(r: Recipe, model_dir: Path | None = None) -> dict:
     finally:
         f16.unlink(missing_ok=True)
     mf.publish(tmp, out)  # an earlier GGUF is replaced only by one that passed its checks
-    train_manifest = mf.read(layout(r).train / "manifest.json") or {}
-    data_manifest = mf.read(layout(r).data / "manifest.json") or {}
+    train_manifest = mf.read(layout(r).train_manifest) or {}
+    data_manifest = mf.read(layout(r).data_manifest) or {}
     manifest = {"stage": "quantize", "recipe": r.name, "gguf": str(out), "type": qtype,
                 "sha256": digest, "bytes": size, "source_model": str(model_dir),
                 "source_model_sha256": train_manifest.get("model_sha256"),
                 "data_fingerprint": data_manifest.get("fingerprint"), "checks": report}
-    mf.write(layout(r).gguf_dir / "manifest.json", manifest)
+    mf.write(layout(r).gguf_manifest, manifest)
     mf.write_resolved_recipe(layout(r).gguf_dir, r)
     print(f"quantize: wrote {out} ({size / 2**20:.1f} MiB, {qtype}); checks passed: "
           f"{report['summary']}", flush=True)

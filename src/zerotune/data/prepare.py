@@ -405,9 +405,10 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
     if any(s.format != "text" for s in r.data.sources):
         require_chat_template(tok, r.model.tokenizer)
     fp = fingerprint(r, tok)
-    out = layout(r).data
-    old = mf.read(out / "manifest.json")
-    if not rebuild and old and old.get("fingerprint") == fp["fingerprint"] and (out / "train").exists():
+    paths = layout(r)
+    out = paths.data
+    old = mf.read(paths.data_manifest)
+    if not rebuild and old and old.get("fingerprint") == fp["fingerprint"] and paths.data_train.exists():
         print(f"prepare: cache hit ({out}, fingerprint {fp['fingerprint']}); nothing to do")
         return old
 
@@ -425,8 +426,8 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
             raise UserError(_nothing_usable(r, info))
         store = DocStore(work / "docs.arrow")
         train_idx, eval_idx = _split_eval(len(lengths), r.data.eval_fraction, r.data.seed)
-        tr = _write_rows(store, train_idx, lengths, r, tok.pad_token_id, work, tmp / "train", "train")
-        ev = (_write_rows(store, eval_idx, lengths, r, tok.pad_token_id, work, tmp / "eval", "eval")
+        tr = _write_rows(store, train_idx, lengths, r, tok.pad_token_id, work, tmp / paths.data_train.name, "train")
+        ev = (_write_rows(store, eval_idx, lengths, r, tok.pad_token_id, work, tmp / paths.data_eval.name, "eval")
               if len(eval_idx) else {"rows": 0})
         del store
         shutil.rmtree(work)
@@ -449,7 +450,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
         }
         if histogram:
             _histogram(lengths, r.data.seq_len, tmp / "lengths.png")
-        mf.write(tmp / "manifest.json", manifest)
+        mf.write(tmp / paths.data_manifest.name, manifest)
         mf.write_resolved_recipe(tmp, r)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -484,9 +485,10 @@ def _nothing_usable(r: Recipe, info: dict) -> str:
 
 def require_prepared(r: Recipe) -> dict:
     """The manifest of a cache that matches the recipe, or a clear error."""
-    out = layout(r).data
-    m = mf.read(out / "manifest.json")
-    if not m or not (out / "train").exists():
+    paths = layout(r)
+    out = paths.data
+    m = mf.read(paths.data_manifest)
+    if not m or not paths.data_train.exists():
         raise StaleDataError(f"no prepared data in {out}. Run `make data RECIPE={r.name}` "
                              f"(or `python -m zerotune prepare {r.name}`) first: data is prepared once, before "
                              "launching training.")

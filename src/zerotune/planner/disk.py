@@ -6,7 +6,7 @@ run will have then minus the bytes it has now (those it keeps are already counte
 first come back as free space). The events, in the order a run meets them:
 
   save           a checkpoint is written while the committed ones are held: checkpoint.CommitCheckpoints
-                 rotates (deletes the oldest) only after the new one is committed (checkpoint.py:179-182),
+                 rotates (deletes the oldest) only after the new one is committed (checkpoint.py:164-167),
                  so with k held it needs one more checkpoint of room
   save at limit  the same with train.save_total_limit checkpoints held: the most checkpoints at once
   finalize       train/worker.py save_for_finalize writes model.tmp/ beside the committed checkpoints (it

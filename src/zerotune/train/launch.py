@@ -26,12 +26,13 @@ def materialise_base(r: Recipe) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out = layout(r).base
+    paths = layout(r)
+    out = paths.base
     if r.model.name_or_path:
         return out
     cfg_path = resolve_path(r.model.init_config)
     stamp = {"init_config_sha256": mf.sha256(cfg_path), "init_seed": r.model.init_seed}
-    if mf.read(out / "zerotune_base.json") == stamp:
+    if mf.read(paths.base_stamp) == stamp:
         return out
     torch.manual_seed(r.model.init_seed)
     config = AutoConfig.from_pretrained(cfg_path)
@@ -40,7 +41,7 @@ def materialise_base(r: Recipe) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     load_tokenizer(r).save_pretrained(tmp)
-    mf.write(tmp / "zerotune_base.json", stamp)
+    mf.write(tmp / paths.base_stamp.name, stamp)
     mf.publish(tmp, out)
     print(f"train: initialised {sum(p.numel() for p in model.parameters()):,} parameters from "
           f"{r.model.init_config} (seed {r.model.init_seed}) -> {out}")

@@ -40,14 +40,15 @@ def worker(r: Recipe) -> None:
     stop = StopOnSignal()  # first: a SIGUSR1 while loading must be remembered, not kill the process
     run = setup(r)
     model, n_params, n_trainable = load_model(r, run)
-    trainer, metrics, commit = build_trainer(r, run, model, n_params, stop)
+    trainer, safety, metrics, commit = build_trainer(r, run, model, n_params, stop)
     resume = choose_resume(r, run, metrics)
     elapsed = train_or_stop(r, run, trainer, stop, commit, resume)
     save_for_finalize(r, run, trainer, n_params, n_trainable, elapsed)
-    metrics.detach()  # its gradient hooks would keep the Trainer alive (QLoRA: release_training_states)
+    safety.detach()  # their gradient hooks would keep the Trainer alive (QLoRA: release_training_states)
+    metrics.detach()
     finalizes, run_dir = run.rank == 0, r.out
     model_ref = weakref.ref(model)
-    del run, model, trainer, metrics, commit  # what this function holds of training; the rest: release_training_states
+    del run, model, trainer, safety, metrics, commit  # what this function holds; the rest: release_training_states
     if finalizes:
         release_training_states(model_ref)
         start_finalize(run_dir)
@@ -101,7 +102,7 @@ def setup(r: Recipe) -> Run:
     choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger)
     data_manifest = require_prepared(r)
     bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
-    train_ds = load_from_disk(str(layout(r).data / "train"))
+    train_ds = load_from_disk(str(layout(r).data_train))
     steps = total_steps(len(train_ds), bp, r)
     args = training_arguments(r, bp, choice, gpu.capability is not None, steps)  # before the model: zero.Init
     if peft_utils.enabled(r):
@@ -166,33 +167,38 @@ def gather_lm_head_with_model(model) -> None:
 
 
 def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
-    """The Trainer with zerotune's callbacks: metrics, evaluation during training, signals, committed checkpoints,
-    fault injection for tests. Returns (trainer, metrics callback, commit callback)."""
+    """The Trainer with zerotune's callbacks: safety policies, metrics, evaluation during training, signals,
+    committed checkpoints, fault injection for tests. Returns (trainer, safety, metrics, commit callbacks)."""
     from transformers import Trainer
 
     from .. import ds_config, faults
     from ..checkpoint import CommitCheckpoints, EndAtLastStep
     from ..evaluation import EvalDuringTraining
     from ..metrics import StepMetrics, flops_per_token
+    from ..safety import SafetyChecks
 
     cfg = model.config
     tokens = run.data_manifest["tokens"]
+    safety = SafetyChecks()
     metrics = StepMetrics(layout(r).metrics, run.bp.global_batch_tokens, tokens["train_label"] / max(1, tokens["train_total"]),
                           flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
-                          run.gpu.peak_tflops, run.world)
+                          run.gpu.peak_tflops, run.world, safety=safety)
     commit = CommitCheckpoints(r.train.save_total_limit)
     trainer = Trainer(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
+                      # safety before metrics: a step or loss that stops the run is judged before it is logged;
                       # validation after CommitCheckpoints: a step is committed before it is validated
-                      callbacks=[EndAtLastStep(), metrics, stop, commit,
+                      callbacks=[EndAtLastStep(), safety, metrics, stop, commit,
                                  EvalDuringTraining(r, metrics, run.choice.liger, stop),
                                  *faults.callbacks(model)])
+    safety.attach(trainer)
+    if run.choice.liger and run.choice.precision == "fp16":  # Liger's fp16 lm_head gradient can overflow unscaled
+        safety.watch_lm_head(model)
     metrics.attach(trainer)
     metrics.count_labels(model)
-    # fp16 underflow at large GA shows as zero gradient elements; Liger fp16 lm_head grads can overflow unscaled
-    metrics.watch_grads(model, check_lm_head=run.choice.liger and run.choice.precision == "fp16")
+    metrics.watch_grads(model)  # fp16 underflow at large GA shows as zero gradient elements
     if getattr(trainer.accelerator, "scaler", None) is not None:  # fp16 without DeepSpeed: torch's GradScaler
         trainer.accelerator.scaler = ds_config.amp_grad_scaler(run.bp.grad_accum, run.steps)
-    return trainer, metrics, commit
+    return trainer, safety, metrics, commit
 
 
 def choose_resume(r: Recipe, run: Run, metrics):
@@ -234,7 +240,7 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
         run.barrier()
         sys.exit(REQUEUE_EXIT)
     except Exception as e:
-        from ..metrics import scaler_gave_up
+        from ..safety import scaler_gave_up
 
         # every rank says it: the rank that failed first may be the only one left to print anything
         print(f"[rank {run.rank}] " + describe_failure(e, layout(r).checkpoints, commit.saving), file=sys.stderr,
@@ -295,7 +301,7 @@ def save_for_finalize(r: Recipe, run: Run, trainer, n_params: int, n_trainable: 
 def release_training_states(model_ref) -> None:
     """Drop what keeps the trained model (and through its hooks the Trainer) alive after training, so finalize
     does not run beside rank 0's share of the training states. The hooks that held it from C++ are gone
-    already (save_for_finalize: engine.destroy; worker: metrics.detach); what is left are module globals."""
+    already (save_for_finalize: engine.destroy; worker: the callbacks' detach); what is left are module globals."""
     import gc
 
     import torch
