@@ -1,0 +1,142 @@
+"""Every command and path the README and docs/ show is checked against the repository: make targets exist,
+recipes named exist, `zerotune` command lines parse and their overrides load, linked files and named repository
+paths exist. A doc that drifts from the code fails here, not in a newcomer's terminal."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from zerotune.cli import _parser
+from zerotune.config import RECIPES_DIR, load_recipe
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+RECIPES = {p.stem for p in RECIPES_DIR.glob("*.yaml")}
+PLACEHOLDER = re.compile(r"[<>]|\.\.\.|^(NAME|RECIPE|R|X|N|KEY|VALUE|\$\w+)$")
+
+
+def _make_targets() -> set[str]:
+    text = (REPO / "Makefile").read_text()
+    return set(re.findall(r"^([a-z][\w-]*):", text, re.M))
+
+
+def _command_lines(text: str) -> list[str]:
+    """Shell lines in fenced code blocks (comments and continuations joined) and inline `code` spans."""
+    lines = []
+    for block in re.findall(r"```(?:bash|sh|shell|console)?\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip().lstrip("$ ").strip()
+            if line:
+                lines.append(line)
+    lines += re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+    return lines
+
+
+def _words(line: str) -> list[str]:
+    try:
+        return shlex.split(line)
+    except ValueError:
+        return line.split()
+
+
+def _overrides(words: list[str]) -> list[str]:
+    return [w for w in words if re.match(r"^[a-z_]+\.[a-z_.]+=", w) and not PLACEHOLDER.search(w.split("=", 1)[1])]
+
+
+def _check_make(words: list[str], where: str) -> list[str]:
+    problems, targets = [], _make_targets()
+    args = [w for w in words[1:] if not w.startswith("-")]
+    goals = [w for w in args if "=" not in w]
+    for g in goals:
+        if g not in targets and not PLACEHOLDER.search(g):
+            problems.append(f"{where}: `make {g}`: no such target in the Makefile")
+    recipe = next((w.split("=", 1)[1] for w in args if w.startswith("RECIPE=")), "tiny")
+    if PLACEHOLDER.search(recipe):
+        return problems
+    if recipe not in RECIPES:
+        return problems + [f"{where}: RECIPE={recipe}: no recipes/{recipe}.yaml"]
+    extra = [w for w in args if w.startswith("ARGS=")]
+    ovs = _overrides(args) + [o for a in extra for o in _overrides(a.split("=", 1)[1].split())]
+    try:
+        load_recipe(recipe, ovs)
+    except Exception as e:  # noqa: BLE001 - the message is the finding
+        problems.append(f"{where}: `{' '.join(words)}`: {e}")
+    return problems
+
+
+def _check_zerotune(words: list[str], where: str) -> list[str]:
+    i = words.index("zerotune")
+    args = words[i + 1:]
+    if not args or args[0].startswith("-") or PLACEHOLDER.search(args[0]):
+        return []
+    try:
+        parsed = _parser().parse_args(args)
+    except SystemExit:
+        return [f"{where}: `zerotune {' '.join(args)}` does not parse"]
+    if parsed.stage == "explain" or PLACEHOLDER.search(parsed.recipe):
+        return []
+    if parsed.recipe not in RECIPES and not Path(parsed.recipe).suffix:
+        return [f"{where}: recipe {parsed.recipe}: no recipes/{parsed.recipe}.yaml"]
+    try:
+        load_recipe(parsed.recipe, _overrides(parsed.overrides))
+    except Exception as e:  # noqa: BLE001
+        return [f"{where}: `zerotune {' '.join(args)}`: {e}"]
+    return []
+
+
+def _check_sbatch(words: list[str], where: str) -> list[str]:
+    script = next((w for w in words if w.endswith(".sbatch")), None)
+    if script is None:
+        return []
+    problems = [] if (REPO / script).exists() else [f"{where}: {script} does not exist"]
+    rest = words[words.index(script) + 1:]
+    if rest and not PLACEHOLDER.search(rest[0]) and rest[0] not in RECIPES and not rest[0].startswith("-"):
+        problems.append(f"{where}: {script} {rest[0]}: no recipes/{rest[0]}.yaml")
+    return problems
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_command_shown_parses_against_the_repository(doc):
+    problems = []
+    for line in _command_lines(doc.read_text()):
+        for part in re.split(r"\s*(?:&&|;|\|\|)\s*", line):
+            words = _words(part)
+            if not words:
+                continue
+            where = f"{doc.relative_to(REPO)}: `{part}`"
+            if words[0] == "make":
+                problems += _check_make(words, where)
+            elif "zerotune" in words and any(w in ("-m", "python", ".venv/bin/python") for w in words[:3]):
+                problems += _check_zerotune(words, where)
+            elif words[0] == "sbatch":
+                problems += _check_sbatch(words, where)
+    assert not problems, "\n".join(problems)
+
+
+REPO_PATH = re.compile(r"^(?:src|tests|slurm|recipes|configs|scripts|docs|bench|data|assets)/[\w./-]*[\w/]$")
+
+
+def _ignored(path: str) -> bool:
+    import subprocess
+
+    return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO).returncode == 0
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_linked_file_and_named_path_exists(doc):
+    text = doc.read_text()
+    missing = []
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" not in target and not (doc.parent / target).exists():
+            missing.append(f"link {target}")
+    for span in re.findall(r"`([^`\n]+)`", text):
+        for word in span.split():
+            word = word.rstrip(",.:;)").split("::")[0]
+            if REPO_PATH.match(word) and not any(c in word for c in "<>*{}") and not (REPO / word).exists() \
+                    and not _ignored(word):  # made by a command (bench/work/, runs/): not in a clone
+                missing.append(f"path {word}")
+    assert not missing, f"{doc.relative_to(REPO)}: " + ", ".join(sorted(set(missing)))
