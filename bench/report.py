@@ -170,6 +170,8 @@ def main() -> int:
         if (RESULTS / f"{name}.png").exists():
             parts.append(f"![{name}](results/{name}.png)\n")
     parts.append(history(RESULTS))
+    if (RESULTS / "ci_runs.md").exists():  # kept by hand: make bench does not run CI
+        parts.append((RESULTS / "ci_runs.md").read_text())
     parts.append(planner_validation())
     parts.append(predictions() + "\n")
     out = REPO / "bench" / "results.md"
