@@ -29,9 +29,9 @@ RESULTS = REPO / "bench" / "results"
 
 
 def main(recipe: str = "smollm2") -> None:
-    from zerotune.check import gguf_answers, heldout_documents, load_gguf, logit_agreement
+    from zerotune.answering import eval_sets, gguf_answers, load_gguf, load_rows
+    from zerotune.check import heldout_documents, logit_agreement
     from zerotune.config import load_recipe
-    from zerotune.evaluate import eval_sets, load_rows
     from zerotune.gguf_checks import read_header
     from zerotune.layout import layout
     from zerotune.quantize import quantize

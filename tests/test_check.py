@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from zerotune.check import T4_OVERHEAD_GIB, T4_USABLE_GIB, gguf_answers, load_gguf, logit_agreement, speed, t4_fit
+from zerotune.answering import gguf_answers, load_gguf
+from zerotune.check import T4_OVERHEAD_GIB, T4_USABLE_GIB, logit_agreement, speed, t4_fit
 
 REPO = Path(__file__).resolve().parents[1]
 KL_TEXTS = [

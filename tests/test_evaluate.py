@@ -33,7 +33,7 @@ def _format_set(tmp_path: Path, answer: str = "You said") -> Path:
 
 def test_default_set_is_data_heldout_scored_exact():
     from zerotune.config import load_recipe
-    from zerotune.evaluate import eval_sets
+    from zerotune.answering import eval_sets
 
     (s,) = eval_sets(load_recipe("tiny"))
     assert (s.name, s.path, s.scorer, s.max_new_tokens) == ("heldout", "data/tiny/heldout.jsonl", "exact", 12)
@@ -59,7 +59,7 @@ def test_recipe_scorer_names_come_from_the_scorers_table():
 def test_bad_rows_are_user_errors_with_file_and_line(tmp_path, content, match):
     from zerotune.config import EvalSetCfg
     from zerotune.errors import UserError
-    from zerotune.evaluate import load_rows
+    from zerotune.answering import load_rows
 
     p = tmp_path / "set.jsonl"
     p.write_text(content)
@@ -70,7 +70,7 @@ def test_bad_rows_are_user_errors_with_file_and_line(tmp_path, content, match):
 def test_regex_set_without_pattern_is_refused(tmp_path):
     from zerotune.config import EvalSetCfg
     from zerotune.errors import UserError
-    from zerotune.evaluate import load_rows
+    from zerotune.answering import load_rows
 
     p = tmp_path / "set.jsonl"
     p.write_text('{"messages": [], "answer": "x"}\n')

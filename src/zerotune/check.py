@@ -3,7 +3,7 @@
 1. Every held-out set (`eval.sets`, or `data.heldout` scored exact) answered
    greedily by the base model, the fine-tuned HF model and the GGUF (through
    the GGUF's own chat template, stopping at its end-of-turn token), scored by
-   the set's scorer (evaluate.score_models, whose answers `zerotune eval` reuses).
+   the set's scorer (answering.score_models, whose cached answers `zerotune eval` reuses).
    Gates: the GGUF trails HF by at most `check.accuracy_margin` (or one answer
    of the set, whichever is larger: a set of n prompts cannot resolve less than
    1/n), and a set with `max_drop` (retention) keeps the fine-tuned HF score
@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from . import manifest as mf
+from .answering import eval_sets, load_gguf, load_rows, score_models
 from .config import Recipe
 from .errors import MissingInputError, UserError
-from .gguf_checks import CHAT_FORMAT
 from .hardware import GPUS, LLAMA_CPP_OVERHEAD_GIB
 from .layout import layout
 from .quant_types import quant_type
@@ -37,55 +37,6 @@ from .quant_types import quant_type
 TIE_NATS = 0.1
 T4_USABLE_GIB = GPUS["t4"].usable_gib
 T4_OVERHEAD_GIB = LLAMA_CPP_OVERHEAD_GIB
-
-
-def load_hf(model_dir: Path):
-    """(model, tokenizer, stop ids) for greedy chat answers: generation stops where the chat template ends an
-    assistant turn (<|eot_id|> for Llama 3, <|im_end|> for ChatML) and at every HF end token."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .gguf_checks import hf_end_tokens
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.eval()
-    ends = hf_end_tokens(tok, model_dir)
-    stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
-    return model, tok, stop
-
-
-def hf_generate(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int) -> list[str]:
-    import torch
-
-    out = []
-    with torch.no_grad():
-        for row in rows:
-            enc = tok.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
-                                          return_dict=True)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
-                                 pad_token_id=stop[0], temperature=None, top_p=None, top_k=None)
-            out.append(tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
-    return out
-
-
-def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True, n_gpu_layers: int = 0):
-    """The GGUF as check uses it: every position's logits, the embedded chat template (as serve uses it)."""
-    import llama_cpp
-
-    return llama_cpp.Llama(str(gguf), n_ctx=n_ctx, logits_all=logits_all, seed=0, chat_format=CHAT_FORMAT,
-                           n_gpu_layers=n_gpu_layers, verbose=False)
-
-
-def gguf_answers(llm, rows: list[dict], max_new_tokens: int) -> tuple[list[str], list[str]]:
-    """Greedy chat answers through the GGUF's embedded template, stopping at its end-of-generation tokens."""
-    answers, reasons = [], []
-    for row in rows:
-        res = llm.create_chat_completion(messages=row["messages"], temperature=0.0, top_k=1,
-                                         max_tokens=max_new_tokens, seed=0)
-        answers.append((res["choices"][0]["message"]["content"] or "").strip())
-        reasons.append(res["choices"][0]["finish_reason"])
-    return answers, reasons
 
 
 def heldout_documents(r: Recipe, limit: int) -> list[tuple[list[int], list[int]]]:
@@ -192,8 +143,6 @@ def check(r: Recipe) -> int:
     max_kl, min_top1 = gates.max_kl, gates.min_top1
     max_kl = r.check.max_kl if r.check.max_kl is not None else max_kl
     min_top1 = r.check.min_top1 if r.check.min_top1 is not None else min_top1
-    from .evaluate import eval_sets, load_rows, score_models
-
     sets = eval_sets(r)
     if not sets:
         raise UserError(f"recipe {r.name}: check needs held-out prompts: set eval.sets (name, path, scorer) or "

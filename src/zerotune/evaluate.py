@@ -1,6 +1,7 @@
 """`zerotune eval RECIPE`: what did the fine-tune do? Every `eval.sets` set scored for the base model, the
 fine-tuned HF model (runs/<r>/model) and its GGUF, side by side, with the same chat template and greedy
-decoding (check.py's generation helpers), then lm-evaluation-harness tasks when `eval.lm_eval_tasks` names any.
+decoding (answering.py, through which `zerotune check` answers too: check and eval share cached answers), then
+lm-evaluation-harness tasks when `eval.lm_eval_tasks` names any.
 
 Writes runs/<r>/eval/eval.json and eval.png (grouped bars) and prints one table. A missing model or GGUF is
 a user error that says which stage makes it. Exits 1 when a set's `max_drop` is exceeded.
@@ -13,127 +14,10 @@ import time
 from pathlib import Path
 
 from . import manifest as mf
-from .config import EvalSetCfg, Recipe, resolve_path
-from .errors import MissingInputError, UserError
+from .answering import eval_sets, load_rows, score_models
+from .config import EvalSetCfg, Recipe
+from .errors import UserError
 from .layout import layout
-
-
-def eval_sets(r: Recipe) -> list[EvalSetCfg]:
-    """The recipe's sets; without any, data.heldout scored exact (what check scores)."""
-    if r.eval.sets:
-        return list(r.eval.sets)
-    if r.data.heldout:
-        return [EvalSetCfg(name="heldout", path=r.data.heldout, scorer="exact",
-                           max_new_tokens=r.check.max_new_tokens)]
-    return []
-
-
-def load_rows(es: EvalSetCfg) -> list[dict]:
-    path = resolve_path(es.path)
-    if path is None or not path.exists():
-        raise MissingInputError(f"eval set '{es.name}': {path} not found (eval.sets[].path); it must be a JSONL of "
-                                f"{{\"messages\": [...], \"answer\": \"...\"}} rows.")
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} line {i}: not valid JSON ({e.msg}); eval set '{es.name}'.") from None
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or "answer" not in row:
-            raise UserError(f"{path} line {i}: needs 'messages' (the chat prompt, a list) and 'answer' (the "
-                            f"reference); eval set '{es.name}'.")
-        if es.scorer == "regex" and not (row.get("pattern") or es.pattern):
-            raise UserError(f"{path} line {i}: scorer regex needs a pattern: set eval.sets[{es.name}].pattern "
-                            f"or a per-row 'pattern' (group 1 = the answer).")
-        rows.append(row)
-        if es.limit is not None and len(rows) >= es.limit:
-            break
-    if not rows:
-        raise UserError(f"{path}: no rows; eval set '{es.name}' needs at least one prompt.")
-    return rows
-
-
-def _score_all(es: EvalSetCfg, preds: list[str], rows: list[dict]) -> tuple[float, list[float]]:
-    from .scorers import score
-
-    per = [score(es.scorer, p, row, es.pattern) for p, row in zip(preds, rows)]
-    return sum(per) / len(per), per
-
-
-def _identity(path: Path) -> str:
-    """Which weights these are, cheaply: name, size and mtime of the weight files (a retrained or requantized
-    model changes them)."""
-    files = [path] if path.is_file() else sorted([*path.glob("*.safetensors"), path / "config.json"])
-    return json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()])
-
-
-def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[dict]]) -> dict:
-    """{set: {model: {"score", "answers", "seconds"}}} for base, fine-tuned HF and GGUF, one model in memory
-    at a time. Answers are cached in runs/<r>/eval/answers.json by (weights, prompts, max_new_tokens), so
-    `check` and `eval` on the same models generate once (greedy decoding: the same inputs give the same text)."""
-    import hashlib
-
-    from .check import gguf_answers, hf_generate, load_gguf, load_hf
-
-    models = {"base": layout(r).base, "hf": layout(r).model, "gguf": layout(r).gguf}
-    if not (models["hf"] / "config.json").exists():
-        raise MissingInputError(f"{models['hf']}: no fine-tuned model; run `zerotune train {r.name}` first.")
-    if not models["gguf"].exists():
-        raise MissingInputError(f"{models['gguf']}: no GGUF; run `zerotune quantize {r.name}` first.")
-    cache_file = layout(r).eval / "answers.json"
-    cache = mf.read(cache_file) or {}
-    keys = {(which, es.name): hashlib.sha256(json.dumps([which, _identity(Path(models[which])), rows_by_set[es.name],
-                                                         es.max_new_tokens]).encode()).hexdigest()[:16]
-            for which in models for es in sets}
-    res: dict = {es.name: {} for es in sets}
-    for which in models:
-        todo = [es for es in sets if keys[which, es.name] not in cache]
-        for es in sets:
-            if es not in todo:
-                res[es.name][which] = dict(cache[keys[which, es.name]], cached=True)
-        if not todo:
-            continue
-        if which == "gguf":
-            # a held-out prompt is at most a training row long; the answer comes on top
-            llm = load_gguf(models["gguf"], n_ctx=r.data.seq_len + max(es.max_new_tokens for es in todo),
-                            logits_all=False, n_gpu_layers=r.check.n_gpu_layers)
-            try:
-                for es in todo:
-                    t0 = _started(which, es, rows_by_set)
-                    preds, finish = gguf_answers(llm, rows_by_set[es.name], es.max_new_tokens)
-                    res[es.name][which] = {"answers": preds, "finish": finish,
-                                           "seconds": round(time.perf_counter() - t0, 2)}
-                    _done(res[es.name][which])
-            finally:
-                llm.close()  # its __del__ at interpreter exit raises
-        else:
-            model, tok, stop = load_hf(models[which])
-            for es in todo:
-                t0 = _started(which, es, rows_by_set)
-                preds = hf_generate(model, tok, stop, rows_by_set[es.name], es.max_new_tokens)
-                res[es.name][which] = {"answers": preds, "seconds": round(time.perf_counter() - t0, 2)}
-                _done(res[es.name][which])
-            del model
-        for es in todo:
-            cache[keys[which, es.name]] = res[es.name][which]
-        mf.write(cache_file, cache)
-    for es in sets:
-        for which, v in res[es.name].items():
-            v["score"], v["per_row"] = _score_all(es, v["answers"], rows_by_set[es.name])
-    return {"models": {k: str(v) for k, v in models.items()}, "sets": res}
-
-
-def _started(which: str, es: EvalSetCfg, rows_by_set: dict) -> float:
-    """Minutes of greedy answers on CPU: say what is being answered, so a log never sits silent."""
-    print(f"eval: {which} model answering {len(rows_by_set[es.name])} '{es.name}' prompts "
-          f"(up to {es.max_new_tokens} new tokens each) ...", end="", flush=True)
-    return time.perf_counter()
-
-
-def _done(v: dict) -> None:
-    print(f" {v['seconds']:.0f}s", flush=True)
 
 
 def evaluate(r: Recipe) -> int:

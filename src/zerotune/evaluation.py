@@ -104,7 +104,7 @@ class EvalDuringTraining(TrainerCallback):
         self.step_metrics = step_metrics
         self.liger = liger
         self.stop = stop
-        self.eval_path = layout(r).data / "eval"
+        self.eval_path = layout(r).data_eval
         self.samples_path = layout(r).samples
         self.failed_path = layout(r).validation_failed
         self._ds = None
@@ -261,7 +261,7 @@ class EvalDuringTraining(TrainerCallback):
 def _sample_prompts(r: Recipe):
     """(rows, eval set, tokenizer, stop ids) for the in-training samples: the first eval set's first rows."""
     from .data.prepare import load_tokenizer
-    from .evaluate import eval_sets, load_rows
+    from .answering import eval_sets, load_rows
     from .gguf_checks import hf_end_tokens
     from .weights import local_folder
 

@@ -431,7 +431,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
 
 def _phases(r: Recipe, shape, choice, zero, g, gpn: int, world: int, capacity: int, train: dict) -> dict:
     """The recipe's own batch through every phase of its job (planner/phases.py)."""
-    from .evaluate import eval_sets
+    from .answering import eval_sets
 
     peft = _peft(r, shape)
     sets = eval_sets(r)  # in-training samples answer the first set's prompts (evaluation._sample_prompts)

@@ -1,0 +1,202 @@
+"""Answering held-out prompts, for every stage that needs answers: `zerotune check` and `zerotune eval`.
+
+What is answered: the recipe's eval sets (eval_sets, load_rows). Who answers: the base model, the fine-tuned
+HF model and its GGUF, each greedily through the same chat template (score_models), one model in memory at a
+time, with answers cached so check and eval on the same weights generate once. The HF models answer in
+left-padded batches (hf_generate); the GGUF answers through its own embedded template (gguf_answers), as
+`zerotune serve` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+from . import manifest as mf
+from .config import EvalSetCfg, Recipe, resolve_path
+from .errors import MissingInputError, UserError
+from .gguf_checks import CHAT_FORMAT
+from .layout import layout
+
+
+def eval_sets(r: Recipe) -> list[EvalSetCfg]:
+    """The recipe's sets; without any, data.heldout scored exact (what check scores)."""
+    if r.eval.sets:
+        return list(r.eval.sets)
+    if r.data.heldout:
+        return [EvalSetCfg(name="heldout", path=r.data.heldout, scorer="exact",
+                           max_new_tokens=r.check.max_new_tokens)]
+    return []
+
+
+def load_rows(es: EvalSetCfg) -> list[dict]:
+    path = resolve_path(es.path)
+    if path is None or not path.exists():
+        raise MissingInputError(f"eval set '{es.name}': {path} not found (eval.sets[].path); it must be a JSONL of "
+                                f"{{\"messages\": [...], \"answer\": \"...\"}} rows.")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} line {i}: not valid JSON ({e.msg}); eval set '{es.name}'.") from None
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or "answer" not in row:
+            raise UserError(f"{path} line {i}: needs 'messages' (the chat prompt, a list) and 'answer' (the "
+                            f"reference); eval set '{es.name}'.")
+        if es.scorer == "regex" and not (row.get("pattern") or es.pattern):
+            raise UserError(f"{path} line {i}: scorer regex needs a pattern: set eval.sets[{es.name}].pattern "
+                            f"or a per-row 'pattern' (group 1 = the answer).")
+        rows.append(row)
+        if es.limit is not None and len(rows) >= es.limit:
+            break
+    if not rows:
+        raise UserError(f"{path}: no rows; eval set '{es.name}' needs at least one prompt.")
+    return rows
+
+
+def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[dict]]) -> dict:
+    """{set: {model: {"score", "answers", "seconds"}}} for base, fine-tuned HF and GGUF, one model in memory
+    at a time. Answers are cached in runs/<r>/eval/answers.json by (weights, prompts, max_new_tokens), so
+    `check` and `eval` on the same models generate once (greedy decoding: the same inputs give the same text;
+    the HF batch size is not in the key because batched answers equal one-at-a-time answers)."""
+    if r.eval.batch_size < 1:
+        raise UserError(f"recipe {r.name}: eval.batch_size must be at least 1 (got {r.eval.batch_size}).")
+    models = {"base": layout(r).base, "hf": layout(r).model, "gguf": layout(r).gguf}
+    if not (models["hf"] / "config.json").exists():
+        raise MissingInputError(f"{models['hf']}: no fine-tuned model; run `zerotune train {r.name}` first.")
+    if not models["gguf"].exists():
+        raise MissingInputError(f"{models['gguf']}: no GGUF; run `zerotune quantize {r.name}` first.")
+    cache_file = layout(r).eval / "answers.json"
+    cache = mf.read(cache_file) or {}
+    keys = {(which, es.name): hashlib.sha256(json.dumps([which, _identity(Path(models[which])), rows_by_set[es.name],
+                                                         es.max_new_tokens]).encode()).hexdigest()[:16]
+            for which in models for es in sets}
+    res: dict = {es.name: {} for es in sets}
+    for which in models:
+        todo = [es for es in sets if keys[which, es.name] not in cache]
+        for es in sets:
+            if es not in todo:
+                res[es.name][which] = dict(cache[keys[which, es.name]], cached=True)
+        if not todo:
+            continue
+        if which == "gguf":
+            # a held-out prompt is at most a training row long; the answer comes on top
+            llm = load_gguf(models["gguf"], n_ctx=r.data.seq_len + max(es.max_new_tokens for es in todo),
+                            logits_all=False, n_gpu_layers=r.check.n_gpu_layers)
+            try:
+                for es in todo:
+                    t0 = _started(which, es, rows_by_set)
+                    preds, finish = gguf_answers(llm, rows_by_set[es.name], es.max_new_tokens)
+                    res[es.name][which] = {"answers": preds, "finish": finish,
+                                           "seconds": round(time.perf_counter() - t0, 2)}
+                    _done(res[es.name][which])
+            finally:
+                llm.close()  # its __del__ at interpreter exit raises
+        else:
+            model, tok, stop = load_hf(models[which])
+            for es in todo:
+                t0 = _started(which, es, rows_by_set)
+                preds = hf_generate(model, tok, stop, rows_by_set[es.name], es.max_new_tokens, r.eval.batch_size)
+                res[es.name][which] = {"answers": preds, "seconds": round(time.perf_counter() - t0, 2)}
+                _done(res[es.name][which])
+            del model
+        for es in todo:
+            cache[keys[which, es.name]] = res[es.name][which]
+        mf.write(cache_file, cache)
+    for es in sets:
+        for which, v in res[es.name].items():
+            v["score"], v["per_row"] = _score_all(es, v["answers"], rows_by_set[es.name])
+    return {"models": {k: str(v) for k, v in models.items()}, "sets": res}
+
+
+def _identity(path: Path) -> str:
+    """Which weights these are, cheaply: name, size and mtime of the weight files (a retrained or requantized
+    model changes them)."""
+    files = [path] if path.is_file() else sorted([*path.glob("*.safetensors"), path / "config.json"])
+    return json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()])
+
+
+def _started(which: str, es: EvalSetCfg, rows_by_set: dict) -> float:
+    """Minutes of greedy answers on CPU: say what is being answered, so a log never sits silent."""
+    print(f"eval: {which} model answering {len(rows_by_set[es.name])} '{es.name}' prompts "
+          f"(up to {es.max_new_tokens} new tokens each) ...", end="", flush=True)
+    return time.perf_counter()
+
+
+def _done(v: dict) -> None:
+    print(f" {v['seconds']:.0f}s", flush=True)
+
+
+def load_hf(model_dir: Path):
+    """(model, tokenizer, stop ids) for greedy chat answers: generation stops where the chat template ends an
+    assistant turn (<|eot_id|> for Llama 3, <|im_end|> for ChatML) and at every HF end token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .gguf_checks import hf_end_tokens
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    ends = hf_end_tokens(tok, model_dir)
+    stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
+    return model, tok, stop
+
+
+def hf_generate(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int, batch_size: int = 8) -> list[str]:
+    """Greedy chat answers, `batch_size` prompts per generate() call (one decode step then serves them all:
+    on 2 CPU cores 8 prompts cost little more than one). Each prompt is tokenized alone, exactly as a batch of
+    one would be, then left-padded, so every row's last prompt token sits at the same column and the new
+    tokens line up. generate() derives position ids from the attention mask (cumsum - 1), so a padded row
+    sees the positions it would see alone. Prompts are grouped longest first, so a batch pads little."""
+    import torch
+
+    prompts = [list(tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]) for row in rows]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # Llama 3 ships without one
+    pad = stop[0] if pad is None else pad
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    out: list[str] = [""] * len(prompts)
+    with torch.no_grad():
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx])
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx])
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=stop, pad_token_id=stop[0], temperature=None, top_p=None, top_k=None)
+            for i, new in zip(idx, gen[:, width:].tolist()):
+                # a row that stopped early is filled with pad_token_id (a stop id) while the others go on
+                end = next((k + 1 for k, t in enumerate(new) if t in stop), len(new))
+                out[i] = tok.decode(new[:end], skip_special_tokens=True).strip()
+    return out
+
+
+def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True, n_gpu_layers: int = 0):
+    """The GGUF as check uses it: every position's logits, the embedded chat template (as serve uses it)."""
+    import llama_cpp
+
+    return llama_cpp.Llama(str(gguf), n_ctx=n_ctx, logits_all=logits_all, seed=0, chat_format=CHAT_FORMAT,
+                           n_gpu_layers=n_gpu_layers, verbose=False)
+
+
+def gguf_answers(llm, rows: list[dict], max_new_tokens: int) -> tuple[list[str], list[str]]:
+    """Greedy chat answers through the GGUF's embedded template, stopping at its end-of-generation tokens."""
+    answers, reasons = [], []
+    for row in rows:
+        res = llm.create_chat_completion(messages=row["messages"], temperature=0.0, top_k=1,
+                                         max_tokens=max_new_tokens, seed=0)
+        answers.append((res["choices"][0]["message"]["content"] or "").strip())
+        reasons.append(res["choices"][0]["finish_reason"])
+    return answers, reasons
+
+
+def _score_all(es: EvalSetCfg, preds: list[str], rows: list[dict]) -> tuple[float, list[float]]:
+    from .scorers import score
+
+    per = [score(es.scorer, p, row, es.pattern) for p, row in zip(preds, rows)]
+    return sum(per) / len(per), per
