@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from zerotune.answering import gguf_answers, load_gguf
-from zerotune.check import T4_OVERHEAD_GIB, T4_USABLE_GIB, logit_agreement, speed, t4_fit
+from zerotune.check import logit_agreement, speed, t4_fit
+from zerotune.hardware import GPUS, LLAMA_CPP_OVERHEAD_GIB
+
+T4_USABLE_GIB, T4_OVERHEAD_GIB = GPUS["t4"].usable_gib, LLAMA_CPP_OVERHEAD_GIB
 
 REPO = Path(__file__).resolve().parents[1]
 KL_TEXTS = [

@@ -110,7 +110,7 @@ def test_local_lm_eval_task_scores_with_zerotunes_scorer(tmp_path):
 def test_missing_model_is_a_user_error_naming_the_stage(tmp_path):
     proc = _eval(tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "no fine-tuned model; run `zerotune train tiny` first" in proc.stderr
+    assert "no fine-tuned model; run `make finetune RECIPE=tiny` first" in proc.stderr
 
 
 # -- integration ----------------------------------------------------------------------------------------------

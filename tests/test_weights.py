@@ -231,7 +231,7 @@ def test_fetch_without_network_is_one_line(tmp_path):
     endpoint = f"http://127.0.0.1:{closed_port()}"
     one_line(fetch(tmp_path / "hf", "llama8b_zero3", endpoint=endpoint),
              f"cannot be downloaded: the Hugging Face Hub ({endpoint}) did not answer (ConnectError",
-             "Run `zerotune fetch llama8b_zero3` on a node with internet.")
+             "Run `make fetch RECIPE=llama8b_zero3` on a node with internet.")
 
 
 class FakeHub(ThreadingHTTPServer):
@@ -321,4 +321,4 @@ def test_fetch_of_a_gated_model_without_access_says_how_to_get_it(tmp_path, fake
                           f"model.tokenizer={REPO_ID}", endpoint=fake_hub.url))
     assert line == (f"zerotune: model.name_or_path '{REPO_ID}' is a gated model and this node's Hugging Face token "
                     f"cannot read it: accept the licence on {fake_hub.url}/{REPO_ID} (logged in), then `hf auth "
-                    "login` (or set HF_TOKEN) here and run `zerotune fetch tiny` again.")
+                    "login` (or set HF_TOKEN) here and run `make fetch RECIPE=tiny` again.")

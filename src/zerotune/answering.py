@@ -67,10 +67,10 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
         raise UserError(f"recipe {r.name}: eval.batch_size must be at least 1 (got {r.eval.batch_size}).")
     models = {"base": layout(r).base, "hf": layout(r).model, "gguf": layout(r).gguf}
     if not (models["hf"] / "config.json").exists():
-        raise MissingInputError(f"{models['hf']}: no fine-tuned model; run `zerotune train {r.name}` first.")
+        raise MissingInputError(f"{models['hf']}: no fine-tuned model; run `make finetune RECIPE={r.name}` first.")
     if not models["gguf"].exists():
-        raise MissingInputError(f"{models['gguf']}: no GGUF; run `zerotune quantize {r.name}` first.")
-    cache_file = layout(r).eval / "answers.json"
+        raise MissingInputError(f"{models['gguf']}: no GGUF; run `make quantize RECIPE={r.name}` first.")
+    cache_file = layout(r).answers
     cache = mf.read(cache_file) or {}
     keys = {(which, es.name): hashlib.sha256(json.dumps([which, _identity(Path(models[which])), rows_by_set[es.name],
                                                          es.max_new_tokens]).encode()).hexdigest()[:16]

@@ -27,7 +27,7 @@ from . import manifest as mf
 from .answering import eval_sets, load_gguf, load_rows, score_models
 from .config import Recipe
 from .errors import MissingInputError, UserError
-from .hardware import GPUS, LLAMA_CPP_OVERHEAD_GIB
+from .hardware import GPUS, kv_bytes_per_token, llama_cpp_fit
 from .layout import layout
 from .quant_types import quant_type
 
@@ -35,8 +35,6 @@ from .quant_types import quant_type
 # a random-init model (near-flat distributions, median top-1/top-2 margin ~0.1 nats) Q8_0 noise flips ~10%
 # of argmaxes between such near-ties while mean KL stays ~2e-4; a trained model's margins are far larger.
 TIE_NATS = 0.1
-T4_USABLE_GIB = GPUS["t4"].usable_gib
-T4_OVERHEAD_GIB = LLAMA_CPP_OVERHEAD_GIB
 
 
 def heldout_documents(r: Recipe, limit: int) -> list[tuple[list[int], list[int]]]:
@@ -44,7 +42,7 @@ def heldout_documents(r: Recipe, limit: int) -> list[tuple[list[int], list[int]]
     from datasets import load_from_disk
 
     docs: list[list[int]] = []
-    eval_dir = layout(r).data / "eval"
+    eval_dir = layout(r).data_eval
     if eval_dir.exists():
         for row in load_from_disk(str(eval_dir)):
             ids, pos, labels = row["input_ids"], row["position_ids"], row["labels"]
@@ -104,17 +102,10 @@ def logit_agreement(llm, model_dir: Path, docs: list) -> dict:
 
 
 def t4_fit(gguf_bytes: int, hf_config: dict, n_ctx: int) -> dict:
-    layers = hf_config["num_hidden_layers"]
-    kv_heads = hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])
-    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
-    kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, f16
-    weights_gib = gguf_bytes / 2**30
-    need = weights_gib + kv_per_token * n_ctx / 2**30 + T4_OVERHEAD_GIB
-    max_ctx = int((T4_USABLE_GIB - weights_gib - T4_OVERHEAD_GIB) * 2**30 // kv_per_token)
-    max_ctx = max(0, min(max_ctx, hf_config.get("max_position_embeddings", max_ctx)))
-    return {"usable_gib": T4_USABLE_GIB, "weights_gib": round(weights_gib, 3),
-            "kv_cache_kib_per_token": kv_per_token / 1024, "n_ctx": n_ctx, "needed_gib": round(need, 3),
-            "fits": need <= T4_USABLE_GIB, "max_context_that_fits": max_ctx}
+    heads = hf_config["num_attention_heads"]
+    kv = kv_bytes_per_token(hf_config["num_hidden_layers"], hf_config.get("num_key_value_heads", heads),
+                            hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
+    return llama_cpp_fit(GPUS["t4"], gguf_bytes, kv, n_ctx, hf_config.get("max_position_embeddings", 1 << 62))
 
 
 def speed(llm, n_prompt: int = 64, n_decode: int = 32) -> dict:
@@ -193,9 +184,9 @@ def check(r: Recipe) -> int:
     if agreement["mean_kl"] is not None and gated_top1 < min_top1:
         failures.append(f"top-1 agreement on assistant tokens {gated_top1:.4f} < {min_top1} for {qtype}")
     res["passed"], res["failures"] = not failures, failures
-    out = layout(r).check
-    mf.write(out / "check.json", res)
-    mf.write_resolved_recipe(out, r)
+    paths = layout(r)
+    mf.write(paths.check_json, res)
+    mf.write_resolved_recipe(paths.check, r)
     _print_table(res)
     if failures:
         print("check: FAILED: " + "; ".join(failures), flush=True)

@@ -50,10 +50,11 @@ def evaluate(r: Recipe) -> int:
               "failures": failures, "elapsed_s": round(time.time() - t0, 1), "examples": examples,
               "per_row": {es.name: {m: scored["sets"][es.name][m]["per_row"] for m in ("base", "hf", "gguf")}
                           for es in sets}}
-    mf.write(out / "eval.json", result)
-    plot(table, out / "eval.png", r.name)
+    paths = layout(r)
+    mf.write(paths.eval_json, result)
+    plot(table, paths.eval_png, r.name)
     print(format_table(table, lm))
-    print(f"eval: wrote {out / 'eval.json'} and {out / 'eval.png'} in {result['elapsed_s']:.0f}s")
+    print(f"eval: wrote {paths.eval_json} and {paths.eval_png} in {result['elapsed_s']:.0f}s")
     for f in failures:
         print(f"eval: FAIL {f}")
     return 1 if failures else 0

@@ -143,7 +143,7 @@ class EvalDuringTraining(TrainerCallback):
             if failed and failed.get("step") == step:  # the same validation again would fail again: finish
                 if state.is_world_process_zero:
                     print(f"train: eval: step {step} validation skipped: it failed in the previous attempt "
-                          f"({failed.get('error')}); finalizing without it (`zerotune eval` measures the model "
+                          f"({failed.get('error')}); finalizing without it (`make eval` measures the model "
                           "afterwards)", flush=True)
                 return
             if state.is_world_process_zero:  # its earlier attempt's samples, if any, are replaced

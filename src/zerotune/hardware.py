@@ -62,6 +62,23 @@ GPUS = {
 LLAMA_CPP_OVERHEAD_GIB = 0.6
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
+    return 2 * layers * kv_heads * head_dim * 2  # K and V, f16 (llama.cpp's default cache type)
+
+
+def llama_cpp_fit(gpu: GPU, weights_bytes: float, kv_per_token: int, n_ctx: int, max_positions: int) -> dict:
+    """A GGUF served by llama.cpp on one GPU: its weights, the f16 KV cache at n_ctx and llama.cpp's own overhead
+    against what PyTorch reports usable; and the longest context that fits. The plan sizes each GGUF type with
+    it, check the GGUF it was given: one rule, so the two cannot disagree."""
+    gib = 2 ** 30
+    fixed = weights_bytes + LLAMA_CPP_OVERHEAD_GIB * gib
+    need = fixed + kv_per_token * n_ctx
+    max_ctx = max(0, min(int((gpu.usable_gib * gib - fixed) // kv_per_token), max_positions))
+    return {"usable_gib": gpu.usable_gib, "weights_gib": round(weights_bytes / gib, 3),
+            "kv_cache_kib_per_token": kv_per_token / 1024, "n_ctx": n_ctx, "needed_gib": round(need / gib, 3),
+            "fits": need <= gpu.usable_gib * gib, "max_context_that_fits": max_ctx}
+
+
 def gpu_for_capability(cap: tuple[int, int] | None, name: str = "") -> GPU:
     if cap is None:
         return GPUS["cpu"]

@@ -287,12 +287,11 @@ def _data_steps(r: Recipe, bp: batchmod.BatchPlan | None) -> dict:
 
 
 def _inference(r: Recipe, shape) -> dict:
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * 2  # K and V, f16
+    kv_per_token = hardware.kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim)
     rows = {}
     for q in PLANNED_QUANTS:
         size = shape.n_params * QUANT_TYPES[q].bpw / 8
-        free = T4.usable_gib * GiB - size - hardware.LLAMA_CPP_OVERHEAD_GIB * GiB
-        ctx = min(shape.max_positions, int(free // kv_per_token)) if free > 0 else 0
+        ctx = hardware.llama_cpp_fit(T4, size, kv_per_token, 0, shape.max_positions)["max_context_that_fits"]
         rows[q] = {"gguf_bytes": int(size), "t4_fits": ctx >= 512, "t4_max_context": ctx}
     return {"kv_bytes_per_token": kv_per_token, "t4_usable_gib": T4.usable_gib, "quant": rows,
             "recipe_quant": r.quantize.type}
@@ -669,7 +668,7 @@ def preflight(r: Recipe) -> dict:
             problems.append(f"{name}: {ph['peak_bytes'] / GiB:.1f} GiB of {ph['capacity_bytes'] / GiB:.2f} {where} "
                             f"({ph['what']}): {ph['fix']}")
     if problems:
-        raise PlanError(" | ".join(problems) + f". (`zerotune plan {r.name}` shows the breakdown; "
+        raise PlanError(" | ".join(problems) + f". (`make plan RECIPE={r.name}` shows the breakdown; "
                         "--skip-preflight skips this check.)")
     return p
 

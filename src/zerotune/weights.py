@@ -193,7 +193,7 @@ def _download(r: Recipe, key: str, repo: str, patterns: list[str], revision: str
     except GatedRepoError:
         raise WeightsError(f"{key} '{repo}' is a gated model and this node's Hugging Face token cannot read it: "
                            f"accept the licence on {page} (logged in), then `hf auth login` (or set HF_TOKEN) "
-                           f"here and run `zerotune fetch {r.name}` again.") from None
+                           f"here and run `make fetch RECIPE={r.name}` again.") from None
     except RepositoryNotFoundError:
         raise WeightsError(f"{key} '{repo}': no such model on the Hub ({page}), or it is private and this node's "
                            "token cannot see it: check the id, or `hf auth login` (or set HF_TOKEN).") from None
@@ -202,8 +202,8 @@ def _download(r: Recipe, key: str, repo: str, patterns: list[str], revision: str
         why = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}".rstrip(": ") \
             if cause else str(e).splitlines()[0]
         raise WeightsError(f"{key} '{repo}' cannot be downloaded: the Hugging Face Hub ({constants.ENDPOINT}) "
-                           f"did not answer ({why}) and it is not in the cache ({cache_name()}). Run `zerotune "
-                           f"fetch {r.name}` on a node with internet.") from None
+                           f"did not answer ({why}) and it is not in the cache ({cache_name()}). Run `make fetch "
+                           f"RECIPE={r.name}` on a node with internet.") from None
     except HfHubHTTPError as e:
         raise WeightsError(f"{key} '{repo}': the Hub refused the download ({str(e).splitlines()[0]}).") from None
 
@@ -222,7 +222,7 @@ def _fetch_repo(r: Recipe, key: str, repo: str, model: bool, tokenizer: bool) ->
         raise WeightsError(f"{key} '{repo}' is still incomplete in the cache after the download, missing "
                            f"{', '.join(missing)}. If the Hub has no safetensors weights for it (fetch takes "
                            "safetensors only), save the model with save_pretrained into a folder and point "
-                           f"{key} at it; otherwise run `zerotune fetch {r.name}` again on a node with internet.")
+                           f"{key} at it; otherwise run `make fetch RECIPE={r.name}` again on a node with internet.")
     return snapshot
 
 
@@ -258,7 +258,7 @@ def fetch(r: Recipe) -> int:
         elif constants.is_offline_mode():  # set for this process: no request would leave it
             has = f"lacks {', '.join(missing)}" if anything else "does not have it"
             raise WeightsError(f"{key} '{repo}' cannot be downloaded: HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is "
-                               f"set, and the cache ({cache_name()}) {has}. Run `zerotune fetch {r.name}` without "
+                               f"set, and the cache ({cache_name()}) {has}. Run `make fetch RECIPE={r.name}` without "
                                "it, on a node with internet.")
         else:
             print(f"fetch: {key} '{repo}': {what}", flush=True)

@@ -490,7 +490,7 @@ def require_prepared(r: Recipe) -> dict:
     m = mf.read(paths.data_manifest)
     if not m or not paths.data_train.exists():
         raise StaleDataError(f"no prepared data in {out}. Run `make data RECIPE={r.name}` "
-                             f"(or `python -m zerotune prepare {r.name}`) first: data is prepared once, before "
+                             f"first: data is prepared once, before "
                              "launching training.")
     fp = fingerprint(r, load_tokenizer(r))
     if m.get("fingerprint") != fp["fingerprint"]:
