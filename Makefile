@@ -27,7 +27,7 @@ fetch: setup  ## download the recipe's hub model (safetensors, config, tokenizer
 	$(ZT) fetch $(RECIPE) $(OVERRIDES)
 
 data: setup  ## tokenize, label and pack the recipe's data once (cached by fingerprint)
-	$(ZT) prepare $(RECIPE) $(OVERRIDES)
+	$(ZT) data $(RECIPE) $(OVERRIDES)
 
 plan: setup  ## memory, batch and time plan for the recipe's target cluster
 	$(ZT) plan $(RECIPE) $(OVERRIDES)
@@ -36,7 +36,7 @@ gpu-check:  ## on a CUDA GPU: run the GPU-only paths for real beside the plan (n
 	$(PY) scripts/gpu_check.py $(ARGS)
 
 finetune: setup  ## train with DeepSpeed ZeRO-3 (one process per GPU, or train.cpu_procs on CPU)
-	$(ZT) train $(RECIPE) $(OVERRIDES)
+	$(ZT) finetune $(RECIPE) $(OVERRIDES)
 
 quantize: setup  ## HF model -> GGUF (Q8_0 by default) with llama.cpp's converter, checked
 	$(ZT) quantize $(RECIPE) $(OVERRIDES)
@@ -51,8 +51,8 @@ serve: setup  ## OpenAI-compatible server over the GGUF on 127.0.0.1
 	$(ZT) serve $(RECIPE) $(OVERRIDES)
 
 demo: setup  ## the whole chain on CPU: prepare -> finetune -> quantize -> eval -> check (check reuses eval's answers) (last line: JSON summary)
-	$(ZT) prepare $(RECIPE) $(OVERRIDES)
-	$(ZT) train $(RECIPE) $(OVERRIDES)
+	$(ZT) data $(RECIPE) $(OVERRIDES)
+	$(ZT) finetune $(RECIPE) $(OVERRIDES)
 	$(ZT) quantize $(RECIPE) $(OVERRIDES)
 	$(ZT) eval $(RECIPE) $(OVERRIDES)
 	$(ZT) check $(RECIPE) $(OVERRIDES)
@@ -83,8 +83,8 @@ bench: setup  ## measured comparisons on this machine -> bench/results.md (+ res
 	$(PY) bench/report.py
 
 bench-quant: setup  ## GGUF types of the fine-tuned SmolLM2 vs its HF model (KL, top-1, perplexity, task) -> bench/results/quant.md
-	$(ZT) prepare smollm2
-	$(ZT) train smollm2
+	$(ZT) data smollm2
+	$(ZT) finetune smollm2
 	$(PY) bench/bench_quant.py smollm2
 
 clean:  ## remove run outputs (keeps .venv and assets)

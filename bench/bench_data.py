@@ -5,7 +5,7 @@
 
 1. Generates N synthetic multi-turn conversations (1-6 user/assistant turns, a system prompt in 40% of
    them, message lengths log-normal from 3 to ~300 words) as JSONL in a temp dir.
-2. Runs `zerotune prepare` end to end (read, validate, render, tokenize, label, pack best-fit-decreasing,
+2. Runs `zerotune data` end to end (read, validate, render, tokenize, label, pack best-fit-decreasing,
    write Arrow) with the real Llama-3.1 tokenizer; reports rows/s, document tokens/s and packing efficiency.
 3. Runs the baseline on the first `--baseline-n` conversations of the same file: per sample
    `apply_chat_template(tokenize=True)` for the ids, plus one `apply_chat_template(messages[:i], tokenize=True)`

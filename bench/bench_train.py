@@ -10,7 +10,7 @@ What is compared (one model, one data set, one set of hyper-parameters, all from
 SmolLM2-135M-Instruct, 2 CPU processes under torchrun, DeepSpeed ZeRO-3, fp32, SDPA, AdamW, gradient
 checkpointing as the recipe sets it (off); every contender loads the same folder):
 
-- `zerotune`: the real CLI, `python -m zerotune prepare|train bench/recipes/bench_train.yaml ...`: documents
+- `zerotune`: the real CLI, `python -m zerotune data|train bench/recipes/bench_train.yaml ...`: documents
   truncated to seq_len, packed best-fit-decreasing into seq_len rows (block-causal via restarting position_ids),
   assistant-only labels, micro-batch 1 packed row per rank.
 - `trainer_padded`: what a plain transformers user writes: the chat template + one prefix tokenization per
@@ -102,7 +102,7 @@ def run_zerotune(a, log: Path, env: dict, extra: list[str]) -> dict:
     out.unlink(missing_ok=True)
     env = dict(env, ZT_BENCH_PROBE=str(out),
                PYTHONPATH=os.pathsep.join(p for p in (str(BENCH / "probe"), env.get("PYTHONPATH")) if p))
-    wall = _run([sys.executable, "-m", "zerotune", "train", str(RECIPE.relative_to(REPO)), *zt_overrides(a), *extra],
+    wall = _run([sys.executable, "-m", "zerotune", "finetune", str(RECIPE.relative_to(REPO)), *zt_overrides(a), *extra],
                 log, env)
     rows = mf.read_jsonl(out)
     own = {r["step"]: r for r in mf.read_jsonl(ZT_OUT / "train" / "metrics.jsonl")}
@@ -177,7 +177,7 @@ def main() -> None:
     n = a.conversations or max(400, int(2 * a.steps * a.grad_accum * procs() * 4))
     generate(CHAT, n)
     t0 = time.perf_counter()
-    subprocess.check_call([sys.executable, "-m", "zerotune", "prepare", str(RECIPE.relative_to(REPO)),
+    subprocess.check_call([sys.executable, "-m", "zerotune", "data", str(RECIPE.relative_to(REPO)),
                            *zt_overrides(a), "--skip-preflight"], cwd=REPO, env=env, stdout=subprocess.DEVNULL)
     prepare_s = time.perf_counter() - t0
     recipe_ = load_recipe(str(RECIPE), zt_overrides(a))

@@ -2,14 +2,14 @@
 
   python slurm/job.py preflight RECIPE [section.key=value ...]
       Before srun starts any worker: the plan for this allocation (printed to the log), prepared data that
-      matches the recipe, the disk, the base model: what `zerotune train` checks before torchrun
+      matches the recipe, the disk, the base model: what `zerotune finetune` checks before torchrun
       (train.before_launch). stdout gets one line for the script: PROCS_PER_NODE DEVICE RUN_DIR.
       A user error: one message, exit 2.
       It also resolves the recipe (overrides and the allocation applied) into RUN_DIR/train/recipe.resolved.yaml,
       which every rank and finalize read: srun starts `python -m zerotune.train torchrun RUN_DIR ...` on each
-      node, as `zerotune train` does on one (src/zerotune/train/__main__.py).
+      node, as `zerotune finetune` does on one (src/zerotune/train/__main__.py).
   python slurm/job.py outcome RUN_DIR SRUN_EXIT
-      After srun: what happened (train/handoff.py's Outcome, as `zerotune train` reads it), in the last lines
+      After srun: what happened (train/handoff.py's Outcome, as `zerotune finetune` reads it), in the last lines
       of the job log, and the script's exit code: 0 trained and published, 75 stopped (requeue it), 2 a user
       error (fix it, resubmit), anything else failed (do not requeue).
 """

@@ -85,12 +85,12 @@ def read_metrics(out: Path) -> list[dict]:
 
 
 def start_train(out: Path, log: Path, *extra: str, recipe: str = "tiny"):
-    """`zerotune train` in the background (to be signalled or killed mid-run), its output in `log`."""
+    """`zerotune finetune` in the background (to be signalled or killed mid-run), its output in `log`."""
     import subprocess
     import sys
 
     f = open(log, "w+")  # a file, not a pipe: a full pipe would block the workers
-    return subprocess.Popen([sys.executable, "-m", "zerotune", "train", recipe, f"output_dir={out}", *extra],
+    return subprocess.Popen([sys.executable, "-m", "zerotune", "finetune", recipe, f"output_dir={out}", *extra],
                             cwd=REPO, stdout=f, stderr=subprocess.STDOUT, text=True)
 
 
@@ -122,8 +122,8 @@ def tiny_trained_40(tmp_path_factory):
     """tiny, 40 steps on 2 ZeRO-3 CPU ranks, validation only at the end: (run folder, log). Shared so that
     the runs compared with it (evaluation during training) don't retrain it."""
     out = tmp_path_factory.mktemp("tiny_run")
-    _zt("prepare", "tiny", f"output_dir={out}")
-    return out, _zt("train", "tiny", f"output_dir={out}", *TINY_STEPS)
+    _zt("data", "tiny", f"output_dir={out}")
+    return out, _zt("finetune", "tiny", f"output_dir={out}", *TINY_STEPS)
 
 
 @pytest.fixture(scope="session")
@@ -132,8 +132,8 @@ def tiny_eval_run(tmp_path_factory):
     quantized to Q8_0: (run folder, log). Independent of tiny_trained_40, so `zerotune eval` tests alone
     train once."""
     out = tmp_path_factory.mktemp("tiny_eval_run")
-    _zt("prepare", "tiny", f"output_dir={out}")
-    log = _zt("train", "tiny", f"output_dir={out}", *TINY_STEPS, "train.eval_steps=10")
+    _zt("data", "tiny", f"output_dir={out}")
+    log = _zt("finetune", "tiny", f"output_dir={out}", *TINY_STEPS, "train.eval_steps=10")
     _zt("quantize", "tiny", f"output_dir={out}")
     return out, log
 

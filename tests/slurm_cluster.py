@@ -47,7 +47,7 @@ def _free_base_port() -> int:
 
 
 def torch_extensions_dir() -> str:
-    """Where a plain `zerotune train` here finds DeepSpeed's JIT-built shm op: built once (~100 s), reused."""
+    """Where a plain `zerotune finetune` here finds DeepSpeed's JIT-built shm op: built once (~100 s), reused."""
     from torch.utils.cpp_extension import _get_build_directory
 
     return str(Path(_get_build_directory("deepspeed_shm_comm", verbose=False)).parent)

@@ -25,7 +25,7 @@ def _with_docs(tmp_path, p50, p99, overrides=()):
     r = load_recipe("llama8b_zero3", [f"output_dir={tmp_path}", *overrides])
     (tmp_path / "data").mkdir(parents=True, exist_ok=True)
     (tmp_path / "data" / "manifest.json").write_text(json.dumps(
-        {"stage": "prepare", "doc_length": {"min": 50, "p50": p50, "p90": p99 // 2, "p99": p99, "max": 16384}}))
+        {"stage": "data", "doc_length": {"min": 50, "p50": p50, "p90": p99 // 2, "p99": p99, "max": 16384}}))
     return r
 
 

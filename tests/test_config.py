@@ -65,8 +65,8 @@ def test_cli_refuses_unknown_flags_and_bad_overrides(capsys):
     from zerotune.cli import main
 
     with pytest.raises(SystemExit):
-        main(["prepare", "tiny", "--no-such-flag"])
-    assert main(["prepare", "tiny", "data.seq_lenn=3"]) == 2
+        main(["data", "tiny", "--no-such-flag"])
+    assert main(["data", "tiny", "data.seq_lenn=3"]) == 2
     assert "Did you mean 'seq_len'" in capsys.readouterr().err
 
 
@@ -79,7 +79,7 @@ def test_make_passes_section_key_overrides_on_its_own_command_line():
 
     out = subprocess.run(["make", "-n", "finetune", "RECIPE=tiny", "train.lr=1e-3", "ARGS=data.seq_len=128"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
-    assert "-m zerotune train tiny train.lr=1e-3 data.seq_len=128" in out, out
+    assert "-m zerotune finetune tiny train.lr=1e-3 data.seq_len=128" in out, out
 
 
 def test_the_plan_gpu_is_validated_against_the_gpu_table_at_load():

@@ -22,10 +22,10 @@ def assert_readable_log(proc, recipe, out):
     assert len(lines) < 150, f"{len(lines)} lines:\n" + log[-5000:]
     for noise in NOISE:
         assert noise not in log, (noise, log[-5000:])
-    steps = [x.split(",")[0] for x in lines if x.startswith("train: step ")]
+    steps = [x.split(",")[0] for x in lines if x.startswith("finetune: step ")]
     assert steps and len(steps) == len(set(steps)), steps  # every logged step printed once
-    assert "train: 100% (" in proc.stderr and " left" in proc.stderr  # progress in a log file: one line per 10%
-    for stage in ("prepare", "train", "quantize", "check"):
+    assert "finetune: 100% (" in proc.stderr and " left" in proc.stderr  # progress in a log file: one line per 10%
+    for stage in ("data", "finetune", "quantize", "check"):
         assert f"== zerotune {stage} {recipe}: " in proc.stdout
     *_, done, nxt = proc.stderr.strip().splitlines()
     assert done == f"demo: done; the GGUF is {out / 'gguf' / f'{recipe}-q8_0.gguf'}", done

@@ -87,7 +87,7 @@ def test_val_loss_under_zero3_equals_one_process_on_the_saved_model(tiny_eval_ru
     assert val[40]["val_tokens"] == n
     assert val[40]["val_loss"] == pytest.approx(ref, rel=1e-5)
     assert val[40]["val_ppl"] == pytest.approx(math.exp(ref), rel=1e-5)
-    assert "train: eval: step 10, val_loss" in log
+    assert "finetune: eval: step 10, val_loss" in log
 
 
 @pytest.mark.integration

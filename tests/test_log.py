@@ -27,8 +27,8 @@ def test_progress_in_a_log_file_is_ten_lines_with_time_left():
     p.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 10, lines
-    assert lines[0].startswith("train:  10% (17/162 steps)") and "tok/s" in lines[0] and "left" in lines[0]
-    assert lines[-1].startswith("train: 100% (162/162 steps)") and "0:00:00 left" in lines[-1]
+    assert lines[0].startswith("finetune:  10% (17/162 steps)") and "tok/s" in lines[0] and "left" in lines[0]
+    assert lines[-1].startswith("finetune: 100% (162/162 steps)") and "0:00:00 left" in lines[-1]
 
 
 def test_progress_after_resume_counts_from_the_checkpoint():
@@ -67,7 +67,7 @@ def test_each_logged_step_is_printed_once(tmp_path, capsys):
     assert not any(isinstance(c, PrinterCallback) for c in trainer.callback_handler.callbacks)
     trainer.train()
     out = capsys.readouterr().out
-    assert [x.split(",")[0] for x in out.splitlines() if x.startswith("train: step")] == ["train: step 1", "train: step 2"]
+    assert [x.split(",")[0] for x in out.splitlines() if x.startswith("finetune: step")] == ["finetune: step 1", "finetune: step 2"]
     assert "{'loss'" not in out and "'train_runtime'" not in out, out
 
 

@@ -118,8 +118,8 @@ def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
     steps = ["train.logging_steps=1", "train.max_steps=6", "train.save_steps=2", "--skip-preflight"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     for out in (ref, run):
-        zt("prepare", recipe, f"output_dir={out}")
-    zt("train", recipe, f"output_dir={ref}", *steps)
+        zt("data", recipe, f"output_dir={out}")
+    zt("finetune", recipe, f"output_dir={ref}", *steps)
     proc = start_train(run, tmp_path / "stopped.log", *steps, recipe=recipe)
     wait_for_step(proc, run, 3)
     import subprocess
@@ -127,7 +127,7 @@ def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
     subprocess.run(["pkill", "-USR1", "-f", workers_of(run)], check=True)
     proc.wait(timeout=600)
     assert proc.returncode == 75, (tmp_path / "stopped.log").read_text()[-3000:]
-    resumed = zt("train", recipe, f"output_dir={run}", *steps).stdout
+    resumed = zt("finetune", recipe, f"output_dir={run}", *steps).stdout
     assert "resuming from committed checkpoint" in resumed
     a, b = metrics(ref), metrics(run)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
@@ -146,9 +146,9 @@ def test_lora_under_zero3_trains_without_gradient_checkpointing(tmp_path):
     from conftest import read_metrics as metrics
 
     out = tmp_path / "run"
-    zt("prepare", "tiny_lora", f"output_dir={out}")
+    zt("data", "tiny_lora", f"output_dir={out}")
     # a frozen embedding (as on a pretrained model; tiny_lora trains it), so no layer input requires grad
-    zt("train", "tiny_lora", f"output_dir={out}", "peft.modules_to_save=[]", "train.gradient_checkpointing=false",
+    zt("finetune", "tiny_lora", f"output_dir={out}", "peft.modules_to_save=[]", "train.gradient_checkpointing=false",
        "train.max_steps=3", "train.logging_steps=1")
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
@@ -164,11 +164,11 @@ def test_qlora_on_two_processes_equals_one(tmp_path):
     runs = {}
     for procs in (1, 2):
         out = tmp_path / f"procs{procs}"
-        zt("prepare", "tiny_qlora", f"output_dir={out}")
-        log = zt("train", "tiny_qlora", f"output_dir={out}", f"train.cpu_procs={procs}", "train.max_steps=3",
+        zt("data", "tiny_qlora", f"output_dir={out}")
+        log = zt("finetune", "tiny_qlora", f"output_dir={out}", f"train.cpu_procs={procs}", "train.max_steps=3",
                  "train.logging_steps=1", "--skip-preflight").stdout
         assert f"world {procs} x grad-accum {4 // procs}" in log
-        assert "train: training states released (" in log  # issue 19: zerotune's gradient hooks held the model
+        assert "finetune: training states released (" in log  # issue 19: zerotune's gradient hooks held the model
         runs[procs] = metrics(out)
     for a, b in zip(runs[1], runs[2]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a, b)

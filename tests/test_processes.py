@@ -34,6 +34,6 @@ def test_a_worker_without_a_launched_run_says_how_it_is_started(tmp_path):
 
 
 def test_the_user_cli_has_no_internal_process_flags():
-    p = _run("-m", "zerotune", "train", "tiny", "--finalize")
+    p = _run("-m", "zerotune", "finetune", "tiny", "--finalize")
     assert p.returncode == 2 and "unrecognized arguments: --finalize" in p.stderr
     assert _run("-m", "zerotune.train").returncode == 2  # no role: its usage, not a traceback

@@ -34,8 +34,8 @@ def _event_settings() -> list[str]:
 
 def test_the_last_step_is_committed_before_its_validation_and_the_requeued_job_finishes(tmp_path):
     out = tmp_path / "run"
-    zt("prepare", "tiny", f"output_dir={out}")
-    args = ["train", "tiny", f"output_dir={out}", "train.max_steps=3", "train.logging_steps=1", *_event_settings()]
+    zt("data", "tiny", f"output_dir={out}")
+    args = ["finetune", "tiny", f"output_dir={out}", "train.max_steps=3", "train.logging_steps=1", *_event_settings()]
     env = {**os.environ, "ZEROTUNE_FAULT_EVAL_OOM_STEP": "3"}
     proc = subprocess.run([sys.executable, "-m", "zerotune", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=900)
@@ -77,7 +77,7 @@ def test_the_last_step_is_committed_before_its_validation_and_the_requeued_job_f
     # amends the step's row and replaces no samples twice
     (out / "train" / "validation_failed.json").unlink()
     log3 = _zt(*args)
-    assert "train: eval: step 3, val_loss" in log3, log3[-3000:]
+    assert "finetune: eval: step 3, val_loss" in log3, log3[-3000:]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and "val_loss" in rows[-1]
     samples = [json.loads(x) for x in (out / "train" / "samples.jsonl").read_text().splitlines()]

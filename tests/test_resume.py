@@ -24,8 +24,8 @@ COMMON = ["train.logging_steps=1", f"train.max_steps={STEPS}", "train.save_steps
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    zt("prepare", "tiny", f"output_dir={out}")
-    zt("train", "tiny", f"output_dir={out}", *COMMON)
+    zt("data", "tiny", f"output_dir={out}")
+    zt("finetune", "tiny", f"output_dir={out}", *COMMON)
     return out
 
 
@@ -76,7 +76,7 @@ def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(reference, tmp
     assert (Path(stopped["checkpoint"]) / "zerotune_commit.json").exists()
     assert not (run / "model").exists(), "a stopped run must not publish a final model"
 
-    resumed = zt("train", "tiny", f"output_dir={run}", *COMMON).stdout
+    resumed = zt("finetune", "tiny", f"output_dir={run}", *COMMON).stdout
     assert f"resuming from committed checkpoint {stopped['checkpoint']}" in resumed
     assert_matches_reference(reference, run)
 
@@ -86,7 +86,7 @@ def test_kill9_then_full_disk_then_resume_matches_uninterrupted_run(reference, t
     proc = start_train(run, tmp_path / "killed.log", *COMMON)
     wait_for_step(proc, run, 7, committed=6)
     # A node failure: every process of the job, launcher and torchrun included, dies without warning.
-    subprocess.run(["pkill", "-9", "-f", f"zerotune train tiny output_dir={run}|zerotune.train (torchrun|worker) {run}"],
+    subprocess.run(["pkill", "-9", "-f", f"zerotune finetune tiny output_dir={run}|zerotune.train (torchrun|worker) {run}"],
                    check=True)
     proc.wait(timeout=60)
     assert metrics(run)[-1]["step"] >= 7
@@ -98,7 +98,7 @@ def test_kill9_then_full_disk_then_resume_matches_uninterrupted_run(reference, t
     def small_disk():
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    full = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *COMMON],
+    full = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny", f"output_dir={run}", *COMMON],
                           cwd=REPO, capture_output=True, text=True, timeout=600, preexec_fn=small_disk)
     log = full.stdout + full.stderr
     assert full.returncode != 0, log[-3000:]
@@ -107,7 +107,7 @@ def test_kill9_then_full_disk_then_resume_matches_uninterrupted_run(reference, t
     assert not (run / "checkpoints" / "checkpoint-8" / "zerotune_commit.json").exists()
     assert not (run / "model").exists()
 
-    resumed = zt("train", "tiny", f"output_dir={run}", *COMMON).stdout
+    resumed = zt("finetune", "tiny", f"output_dir={run}", *COMMON).stdout
     assert "skipping checkpoint-8: never committed" in resumed
     assert f"resuming from committed checkpoint {run / 'checkpoints' / 'checkpoint-6'}" in resumed
     assert "rows logged after step 6 by the interrupted attempt" in resumed
@@ -125,7 +125,7 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
 
-    resumed = zt("train", "tiny", f"output_dir={run}", *COMMON).stdout
+    resumed = zt("finetune", "tiny", f"output_dir={run}", *COMMON).stdout
     rel = victim.relative_to(run / "checkpoints" / "checkpoint-10")
     assert f"skipping checkpoint-10: {rel} is" in resumed and "truncated" in resumed
     assert f"resuming from committed checkpoint {run / 'checkpoints' / 'checkpoint-8'}" in resumed
@@ -135,7 +135,7 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
 def test_resume_at_another_world_size_fails_before_training(reference, tmp_path):
     run = fresh(reference, tmp_path / "run", "checkpoints")  # written by 2 ZeRO-3 ranks
     before = sorted(str(p.relative_to(run)) for p in (run / "checkpoints").rglob("*"))
-    proc = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *COMMON,
+    proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny", f"output_dir={run}", *COMMON,
                            "train.cpu_procs=1"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     ckpt = run / "checkpoints" / "checkpoint-10"
@@ -150,7 +150,7 @@ def test_resume_at_another_world_size_fails_before_training(reference, tmp_path)
 def _nan_run(reference: Path, out: Path, fault: str, step: int, *extra: str) -> str:
     run = fresh(reference, out)
     env = {**os.environ, fault: str(step)}
-    proc = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *COMMON, *extra],
+    proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny", f"output_dir={run}", *COMMON, *extra],
                           cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode not in (0, 75), proc.stdout[-2000:]
     assert not (run / "model").exists()

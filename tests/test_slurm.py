@@ -32,7 +32,7 @@ def test_shellcheck(script):
 
 def test_finetune_runs_the_zerotune_cli_and_never_parses_yaml():
     text = (SLURM / "finetune.sbatch").read_text()
-    # srun starts the same processes `zerotune train` does, from the run folder the preflight resolved
+    # srun starts the same processes `zerotune finetune` does, from the run folder the preflight resolved
     assert re.search(r"-m zerotune\.train torchrun \"\$RUN_DIR\" .*\n(.*\n)*\s+-m zerotune\.train worker \"\$RUN_DIR\"", text)
     assert "slurm/job.py preflight" in text and "slurm/job.py outcome" in text
     for banned in ("yq ", "grep ", "awk ", "sed ", ".yaml", "pkill", "killall"):

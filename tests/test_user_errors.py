@@ -77,7 +77,7 @@ def test_malformed_data_file_is_one_message(tmp_path, capfd, tokenizer_dir, case
     content, needle = BAD_FILES[case]
     f = tmp_path / f"{case}.jsonl"
     f.write_bytes(content)
-    rc, _, err = run_main(capfd, "prepare", str(write_recipe(tmp_path, {"sources": [{"path": str(f)}]})))
+    rc, _, err = run_main(capfd, "data", str(write_recipe(tmp_path, {"sources": [{"path": str(f)}]})))
     msg = assert_one_message(rc, err, str(f), needle)
     if case != "empty":
         assert "Fix:" in msg and "on_bad_sample: skip" in msg
@@ -87,9 +87,9 @@ def test_overlong_sample_is_truncated_and_counted_or_named_when_nothing_is_left(
     f = tmp_path / "long.jsonl"
     f.write_bytes(line({"messages": [MSG[0], {"role": "assistant", "content": "word " * 200}]}))
     recipe = str(write_recipe(tmp_path, {"sources": [{"path": str(f)}]}))
-    rc, out, err = run_main(capfd, "prepare", recipe)
+    rc, out, err = run_main(capfd, "data", recipe)
     assert rc == 0 and "1 truncated" in out, out + err
-    rc, _, err = run_main(capfd, "prepare", recipe, "data.overlong=drop")
+    rc, _, err = run_main(capfd, "data", recipe, "data.overlong=drop")
     assert_one_message(rc, err, str(f), "1 over-long documents dropped", "data.overlong")
 
 
@@ -100,7 +100,7 @@ def test_unknown_recipe_key_names_file_and_key(tmp_path, capfd):
 
 
 def test_old_force_flag_names_its_two_replacements(capfd):
-    rc, _, err = run_main(capfd, "prepare", "tiny", "--force")
+    rc, _, err = run_main(capfd, "data", "tiny", "--force")
     assert_one_message(rc, err, "--rebuild", "--skip-preflight")
 
 
@@ -152,14 +152,14 @@ def zt(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_train_without_prepared_data_is_one_message(tmp_path):
-    proc = zt("train", "tiny", f"output_dir={tmp_path}")
+    proc = zt("finetune", "tiny", f"output_dir={tmp_path}")
     assert_one_message(proc.returncode, proc.stderr, f"no prepared data in {tmp_path / 'data'}",
                        "make data RECIPE=tiny")
     assert "launching" not in proc.stdout  # refused before torchrun starts
 
 
 def test_bad_override_from_the_command_line(tmp_path):
-    proc = zt("prepare", "tiny", f"output_dir={tmp_path}", "data.seq_lenn=64")
+    proc = zt("data", "tiny", f"output_dir={tmp_path}", "data.seq_lenn=64")
     assert_one_message(proc.returncode, proc.stderr, "unknown key 'seq_lenn'", "Did you mean 'seq_len'")
 
 
@@ -174,9 +174,9 @@ def test_plan_json_is_pure_json_on_stdout(tmp_path):
 @pytest.mark.integration
 def test_worker_user_error_under_torchrun_is_reported_once(tmp_path):
     """The batch only fails once the world size is known, i.e. in every torchrun worker."""
-    prep = zt("prepare", "tiny", f"output_dir={tmp_path}")
+    prep = zt("data", "tiny", f"output_dir={tmp_path}")
     assert prep.returncode == 0, prep.stderr[-2000:]
-    proc = zt("train", "tiny", f"output_dir={tmp_path}", "train.global_batch_tokens=1000", timeout=600)
+    proc = zt("finetune", "tiny", f"output_dir={tmp_path}", "train.global_batch_tokens=1000", timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 2, log[-3000:]
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]

@@ -128,7 +128,7 @@ def test_a_hub_tokenizer_is_checked_on_its_own(hf_home, tmp_path, tiny_model_dir
 
 
 def test_the_shipped_8b_recipes_stop_before_launch_until_fetched(hf_home, tmp_path):
-    """before_launch (zerotune train, slurm/job.py preflight) checks the weights first: before data, plan or disk."""
+    """before_launch (zerotune finetune, slurm/job.py preflight) checks the weights first: before data, plan or disk."""
     from zerotune.train import before_launch
 
     for name in ("llama8b_zero3", "llama8b_lora_zero3", "llama8b_zero3_offload", "llama8b_qlora_t4"):

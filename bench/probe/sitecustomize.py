@@ -1,4 +1,4 @@
-"""On PYTHONPATH only for bench/bench_train.py's `python -m zerotune train` runs: installs train_probe in the
+"""On PYTHONPATH only for bench/bench_train.py's `python -m zerotune finetune` runs: installs train_probe in the
 torchrun workers (RANK set) when ZT_BENCH_PROBE names the output file. zerotune's code and CLI run unchanged;
 the baselines install the same probe in their own workers."""
 

@@ -174,14 +174,14 @@ class CommitCheckpoints(TrainerCallback):
 def describe_failure(exc: BaseException, ckpt_root: Path, saving_step: int | None) -> str:
     """What a failed run left behind, so the user knows nothing committed was lost."""
     good = last_committed(ckpt_root, quiet=True)
-    msg = f"train: stopped by {type(exc).__name__}: {exc}\n"
+    msg = f"finetune: stopped by {type(exc).__name__}: {exc}\n"
     if saving_step is not None:
         where = Path(ckpt_root) if Path(ckpt_root).exists() else Path(ckpt_root).parent
-        msg += (f"train: writing checkpoint-{saving_step} failed ({shutil.disk_usage(where).free / 2**30:.1f} GiB "
+        msg += (f"finetune: writing checkpoint-{saving_step} failed ({shutil.disk_usage(where).free / 2**30:.1f} GiB "
                 f"free under {where}); it is not committed and will be ignored. If the disk is full, free space "
                 "(or lower train.save_total_limit), then rerun the same command.\n")
-    return msg + (f"train: last committed checkpoint: {good} (intact; rerunning the same command resumes from it)"
-                  if good else "train: no committed checkpoint yet; a rerun starts from the beginning")
+    return msg + (f"finetune: last committed checkpoint: {good} (intact; rerunning the same command resumes from it)"
+                  if good else "finetune: no committed checkpoint yet; a rerun starts from the beginning")
 
 
 REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped on a signal or the deadline; run again to resume
@@ -302,7 +302,7 @@ class StopOnSignal(TrainerCallback):
         if self.deadline is not None and state.is_world_process_zero:
             import time
 
-            print(f"train: the job ends at {time.strftime('%H:%M:%S', time.localtime(self.deadline))} "
+            print(f"finetune: the job ends at {time.strftime('%H:%M:%S', time.localtime(self.deadline))} "
                   f"(in {self.deadline - time.time():,.0f} s): stopping at a step boundary with a committed "
                   "checkpoint when the next step and its save would not fit", flush=True)
         return control
@@ -332,7 +332,7 @@ class StopOnSignal(TrainerCallback):
                 args, self.requested in (None, "SIGUSR1") and finalize_fits(now, self.deadline, save_s or 0.0)):
             # the last step: the Trainer saves it and training ends anyway; finishing beats a requeue
             if state.is_world_process_zero:  # (a SIGTERM, a preemption or scancel, still stops: it may be final)
-                print(f"train: {'the deadline is near' if flag < 2 else self.requested + ' received'} at the last "
+                print(f"finetune: {'the deadline is near' if flag < 2 else self.requested + ' received'} at the last "
                       f"step ({state.global_step}): saving it and finalizing (~{seconds_needed(0, 2 * (save_s or 0.0)):,.0f} s "
                       f"needed, {self.deadline - now:,.0f} s left)", flush=True)
             return control
@@ -345,7 +345,7 @@ class StopOnSignal(TrainerCallback):
                 why = (f"{self.reason} received" if flag >= 2 else
                        f"the job ends in {self.deadline - now:,.0f} s and the next step + save needs "
                        f"~{seconds_needed(step_s, self.save_s if self.save_s is not None else step_s):,.0f} s")
-                print(f"train: {why}: checkpointing at step {state.global_step} and stopping", flush=True)
+                print(f"finetune: {why}: checkpointing at step {state.global_step} and stopping", flush=True)
         if control.should_save:
             self._save_t0 = now
         return control

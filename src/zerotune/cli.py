@@ -10,18 +10,19 @@ from .config import explain, load_recipe
 from .errors import UserError, report
 from .quiet import silence_known_noise
 
-STAGES = ["fetch", "prepare", "train", "quantize", "check", "eval", "serve", "plan", "explain"]
+# the same words as the make targets (make data, make finetune, ...), in the logs and in every hint
+STAGES = ["fetch", "data", "finetune", "quantize", "check", "eval", "serve", "plan", "explain"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerotune", description="LLM fine-tuning recipes: fetch -> prepare -> train -> quantize -> check -> serve.")
+    p = argparse.ArgumentParser(prog="zerotune", description="LLM fine-tuning recipes: fetch -> data -> finetune -> quantize -> check -> serve.")
     p.add_argument("stage", choices=STAGES)
     p.add_argument("recipe", nargs="?", default="tiny", help="recipe name in recipes/ or a path to a YAML file")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.lr=1e-4")
-    p.add_argument("--rebuild", action="store_true", help="prepare: rebuild the data cache even if its fingerprint matches")
+    p.add_argument("--rebuild", action="store_true", help="data: rebuild the data cache even if its fingerprint matches")
     p.add_argument("--skip-preflight", action="store_true",
-                   help="train: start even if the plan predicts it will not fit in memory or on disk")
-    p.add_argument("--dry-run", action="store_true", help="train: print the resolved plan and exit")
+                   help="finetune: start even if the plan predicts it will not fit in memory or on disk")
+    p.add_argument("--dry-run", action="store_true", help="finetune: print the resolved plan and exit")
     p.add_argument("--json", action="store_true", help="plan: machine-readable output")
     return p
 
@@ -45,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # stage -> (what it does, its output folder under output_dir), for the one-line banner each stage starts with
-BANNERS = {"prepare": ("tokenize, label and pack the data", "data"),
-           "train": ("fine-tune the model", "model"),
+BANNERS = {"data": ("tokenize, label and pack the data", "data"),
+           "finetune": ("fine-tune the model", "model"),
            "quantize": ("export a GGUF with llama.cpp's converter and check it", "gguf"),
            "check": ("compare the GGUF with the HF model on held-out prompts", "check")}
 
@@ -63,10 +64,10 @@ def _stage(args, r) -> int:
     if args.stage == "fetch":
         from .weights import fetch
         return fetch(r)
-    if args.stage == "prepare":
+    if args.stage == "data":
         from .data.prepare import prepare
         prepare(r, rebuild=args.rebuild)
-    elif args.stage == "train":
+    elif args.stage == "finetune":
         if args.dry_run:
             from .plan import dry_run
             print(dry_run(r))

@@ -142,7 +142,7 @@ class EvalDuringTraining(TrainerCallback):
             failed = mf.read(self.failed_path)
             if failed and failed.get("step") == step:  # the same validation again would fail again: finish
                 if state.is_world_process_zero:
-                    print(f"train: eval: step {step} validation skipped: it failed in the previous attempt "
+                    print(f"finetune: eval: step {step} validation skipped: it failed in the previous attempt "
                           f"({failed.get('error')}); finalizing without it (`make eval` measures the model "
                           "afterwards)", flush=True)
                 return
@@ -158,7 +158,7 @@ class EvalDuringTraining(TrainerCallback):
             return
         if self.stop is not None and self.stop.stopped_at == step:  # the same on every rank (reduced)
             if state.is_world_process_zero:
-                print(f"train: eval: step {step} validation skipped: the run is stopping ({self.stop.reason}); "
+                print(f"finetune: eval: step {step} validation skipped: the run is stopping ({self.stop.reason}); "
                       f"the resumed run validates at its next due step", flush=True)
             return
         self._evaluate(args, state, model, step)
@@ -244,7 +244,7 @@ class EvalDuringTraining(TrainerCallback):
         if samples:
             parts.append(f"samples {sum(s['score'] for s in samples):g}/{len(samples)} correct "
                          f"({samples[0]['set']}); e.g. {samples[0]['prediction']!r}")
-        print(f"train: eval: {', '.join(parts)} [{row['eval_s']:.1f}s]", flush=True)
+        print(f"finetune: eval: {', '.join(parts)} [{row['eval_s']:.1f}s]", flush=True)
         if samples:
             mf.append_jsonl(self.samples_path, samples)
         if self.r.train.report_to == "wandb":

@@ -1,16 +1,16 @@
 """Where a run's files live: every path a stage reads or writes, stated once, in the order the stages run.
 
     <output_dir>/                     recipe `output_dir` (default runs/<recipe>)
-      data/          prepare          train/ eval/ (Arrow), manifest.json (fingerprint, counts), lengths.png
-      base/          train            a random init materialised from model.init_config (pretrained: model.name_or_path)
-      train/         train            metrics.jsonl, samples.jsonl, validation_failed.json, curves.png, manifest.json;
+      data/          data             train/ eval/ (Arrow), manifest.json (fingerprint, counts), lengths.png
+      base/          finetune         a random init materialised from model.init_config (pretrained: model.name_or_path)
+      train/         finetune         metrics.jsonl, samples.jsonl, validation_failed.json, curves.png, manifest.json;
                                       handoff between its processes: recipe.resolved.yaml (written by the
                                       launcher, read by every rank and finalize), run.json, stopped.json, error*.json;
                                       between sbatch attempts: stopped_before_training.json
-      checkpoints/   train            checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json)
-      model.tmp/     train            the consolidated save, verified before it becomes model/
-      model/         train            the published HF model (PEFT: base + adapter, merged)
-      adapter/       train (PEFT)     the adapter alone
+      checkpoints/   finetune         checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json)
+      model.tmp/     finetune         the consolidated save, verified before it becomes model/
+      model/         finetune         the published HF model (PEFT: base + adapter, merged)
+      adapter/       finetune (PEFT)  the adapter alone
       gguf/          quantize         <recipe>-<type>.gguf, manifest.json
       eval/          eval             eval.json, eval.png, answers.json, lm-eval task files
       check/         check            check.json
@@ -39,15 +39,15 @@ class RunLayout:
         return self.out / "data"
 
     @property
-    def data_train(self) -> Path:  # prepare -> train: the packed training rows (Arrow)
+    def data_train(self) -> Path:  # data -> finetune: the packed training rows (Arrow)
         return self.data / "train"
 
     @property
-    def data_eval(self) -> Path:  # prepare -> validation during training, check's logit comparison
+    def data_eval(self) -> Path:  # data -> validation during training, check's logit comparison
         return self.data / "eval"
 
     @property
-    def data_manifest(self) -> Path:  # prepare -> train, plan, quantize: fingerprint, counts, lengths
+    def data_manifest(self) -> Path:  # data -> finetune, plan, quantize: fingerprint, counts, lengths
         return self.data / "manifest.json"
 
     @property

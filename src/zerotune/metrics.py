@@ -44,7 +44,7 @@ class Progress:
         self.bar = None
         if self.stream.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=done, desc="train", unit="step", file=self.stream,
+            self.bar = tqdm(total=total, initial=done, desc="finetune", unit="step", file=self.stream,
                             dynamic_ncols=True, mininterval=1)
 
     def update(self, step: int) -> None:
@@ -57,7 +57,7 @@ class Progress:
         if step not in self.marks:
             return
         eta = (self.total - step) / rate if rate > 0 else float("nan")
-        print(f"train: {step / self.total:4.0%} ({step}/{self.total} steps), {rate * self.tokens_per_step:,.0f} tok/s, "
+        print(f"finetune: {step / self.total:4.0%} ({step}/{self.total} steps), {rate * self.tokens_per_step:,.0f} tok/s, "
               f"{_hms(elapsed)} elapsed, {_hms(eta)} left", file=self.stream, flush=True)
 
     def write(self, line: str) -> None:
@@ -192,7 +192,7 @@ class StepMetrics(TrainerCallback):
         discarded = self.path.with_name("metrics.discarded.jsonl")
         dropped = mf.rewind_jsonl(self.path, step, discard_to=discarded)
         if dropped:
-            print(f"train: metrics: moved {dropped} rows logged after step {step} by the interrupted attempt "
+            print(f"finetune: metrics: moved {dropped} rows logged after step {step} by the interrupted attempt "
                   f"to {discarded}", flush=True)
 
     def on_train_begin(self, args, state, control, **kw):
@@ -201,7 +201,7 @@ class StepMetrics(TrainerCallback):
             if eng is not None and eng.zero_use_cpu_optimizer():
                 # accelerate replaces the Trainer's torch AdamW with DeepSpeed's CPU Adam under offload
                 # (accelerator.py, map_pytorch_optim_to_deepspeed): say which one steps the weights
-                print(f"train: optimizer offloaded to the CPU: {type(eng.basic_optimizer).__name__} steps the fp32 "
+                print(f"finetune: optimizer offloaded to the CPU: {type(eng.basic_optimizer).__name__} steps the fp32 "
                       f"master weights and Adam moments in host RAM", flush=True)
             self.progress = Progress(state.max_steps, state.global_step, self.tokens_per_step)
 
@@ -277,7 +277,7 @@ class StepMetrics(TrainerCallback):
                          f"({row['lm_head_grad_nonfinite_unscaled']} before loss scaling)")
         if "loss_scale" in row:
             parts.append(f"loss scale {row['loss_scale']:g} (skipped {row['skipped_steps']})")
-        line = "train: " + ", ".join(parts)
+        line = "finetune: " + ", ".join(parts)
         if self.progress is not None:
             self.progress.write(line)
         else:

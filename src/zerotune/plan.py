@@ -1,4 +1,4 @@
-"""`zerotune plan RECIPE` and `zerotune train RECIPE --dry-run`: will it fit, how long will it take.
+"""`zerotune plan RECIPE` and `zerotune finetune RECIPE --dry-run`: will it fit, how long will it take.
 
 Everything is computed for the recipe's target cluster (`plan:`), not for this machine, so a
 laptop can plan a V100 job. Memory per GPU comes from planner/memory.py (DeepSpeed's estimator
@@ -349,7 +349,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
                             "recipe": seq == r.data.seq_len and micro == r.train.micro_batch_size})
     fitting = [o for o in options if o["fits"]]
     # Fastest per useful token (same global batch, so fastest per step) among what fits and truncates at
-    # most 1% of documents (seq_len >= the prepared data's p99; before `prepare`, the recipe's seq_len).
+    # most 1% of documents (seq_len >= the prepared data's p99; before `make data`, the recipe's seq_len).
     # Ties (varlen attention costs the same at any seq_len): the recipe's own, then larger micro-batch
     # (better GPU use), then longer rows. Nothing long enough fits: the longest that does.
     floor = min(docs["p99"], r.data.seq_len) if docs and docs.get("p99") else r.data.seq_len
@@ -556,7 +556,7 @@ def format_plan(p: dict) -> str:
                      f"  {'yes' if o['fits'] else 'no '}  {hours}{mark}")
     if p["recommended"]:
         lines.append("  recommended: the least time per token among those that fit with seq_len >= the data's p99 "
-                     "document length (the recipe's seq_len before `prepare`); the recipe's own unless another "
+                     "document length (the recipe's seq_len before `make data`); the recipe's own unless another "
                      f"saves more than {RECOMMEND_GAIN:.0%}")
     if not p["recommended"]:
         lines.append("  nothing fits. Try: " + "; ".join(p["suggestions"]))
@@ -573,7 +573,7 @@ def format_plan(p: dict) -> str:
         lines.append(f"  data: {d['train_sequences']:,} sequences = {d['steps_per_epoch']:,} optimizer steps per "
                      f"epoch ({d['sequences_per_step']:,} sequences each); {d['total_steps']} in this run")
     else:
-        lines.append("  data: not prepared yet (run `zerotune prepare`) - steps per epoch unknown")
+        lines.append(f"  data: not prepared yet (run `make data RECIPE={p['recipe']}`) - steps per epoch unknown")
     dk = p["disk"]
     lines.append(f"\ndisk under output_dir: {_gib(dk['checkpoint_bytes']).strip()} per checkpoint, "
                  f"{_gib(dk['model_bytes']).strip()} model; a fresh run at each event:")

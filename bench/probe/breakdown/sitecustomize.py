@@ -1,9 +1,9 @@
 """Diagnostic, not part of `make bench`: where a training step's CPU time goes, per rank (bench/README.md,
-"Where training's CPU time goes"). On PYTHONPATH for one `python -m zerotune train` run; active only in the
+"Where training's CPU time goes"). On PYTHONPATH for one `python -m zerotune finetune` run; active only in the
 torchrun workers (RANK set) and only when ZT_BREAKDOWN_DIR names an output folder:
 
     ZT_BREAKDOWN_DIR=/tmp/bd ZT_BREAKDOWN_TIMERS=1 PYTHONPATH=bench/probe/breakdown \
-        .venv/bin/python -m zerotune train RECIPE output_dir=/tmp/bd-run train.max_steps=4
+        .venv/bin/python -m zerotune finetune RECIPE output_dir=/tmp/bd-run train.max_steps=4
 
 Writes steps-rank<R>.jsonl: per optimizer step the wall and CPU time of the process and of its main thread, and
 `parts`: {name: [wall s, main-thread CPU s, calls]} with *exclusive* times (a timed call inside another, such as

@@ -1,4 +1,4 @@
-"""`zerotune prepare RECIPE`: data -> tokenized, labelled, packed Arrow + manifest.
+"""`zerotune data RECIPE`: data -> tokenized, labelled, packed Arrow + manifest.
 
 Runs once, before any distributed launch (tokenizing under a NCCL barrier times
 out on large data, LLaMA-Factory #2424). A fingerprint of sources, tokenizer,
@@ -265,7 +265,7 @@ def tokenize_to_disk(r: Recipe, tok, path: Path) -> dict:
     writer = DocWriter(path)
     seq_len = r.data.seq_len
     try:
-        with tqdm(total=total, desc="prepare: tokenize", unit="row", mininterval=2, disable=None) as bar:
+        with tqdm(total=total, desc="data: tokenize", unit="row", mininterval=2, disable=None) as bar:
             for results in _ordered_map(_encode_chunk, _jobs(r, plan), r.data.num_proc, tok):
                 bar.update(len(results))
                 for where, res in results:
@@ -347,7 +347,7 @@ def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Re
         buf_tokens = 0
 
     with pa.ipc.new_stream(str(arrow), schema) as w, \
-            tqdm(total=n_total, desc=f"prepare: write {desc}", unit="seq", mininterval=2, disable=None) as bar:
+            tqdm(total=n_total, desc=f"data: write {desc}", unit="seq", mininterval=2, disable=None) as bar:
         for row, pad in rows:
             for k in schema.names:
                 buf[k].append(row[k])
@@ -409,7 +409,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
     out = paths.data
     old = mf.read(paths.data_manifest)
     if not rebuild and old and old.get("fingerprint") == fp["fingerprint"] and paths.data_train.exists():
-        print(f"prepare: cache hit ({out}, fingerprint {fp['fingerprint']}); nothing to do")
+        print(f"data: cache hit ({out}, fingerprint {fp['fingerprint']}); nothing to do")
         return old
 
     # Build next to the old cache and swap at the end: a failure leaves the old cache intact.
@@ -435,7 +435,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
         real = int(lengths[train_idx].sum())
         label_tokens = int(n_labels[train_idx].sum())
         manifest = {
-            "stage": "prepare",
+            "stage": "data",
             "recipe": r.name,
             **fp,
             **info,
@@ -457,7 +457,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
         raise
     mf.publish(tmp, out)
     c = info["counts"]
-    print(f"prepare: {c['rows_in']} rows -> {c['docs_out']} documents ({c['bad_skipped']} bad skipped, "
+    print(f"data: {c['rows_in']} rows -> {c['docs_out']} documents ({c['bad_skipped']} bad skipped, "
           f"{c['truncated']} truncated, {c['dropped_overlong']} dropped as over-long, {c['dropped_no_labels']} dropped "
           f"with no label tokens left) -> {tr['rows']} train / {ev['rows']} eval sequences of <= {r.data.seq_len} "
           f"tokens; {label_tokens:,} label tokens; packing efficiency {manifest['packing']['efficiency']}; wrote {out}")

@@ -1,4 +1,4 @@
-"""`zerotune train RECIPE`: HF Trainer + DeepSpeed ZeRO-3, one code path from CPU to 8xV100.
+"""`zerotune finetune RECIPE`: HF Trainer + DeepSpeed ZeRO-3, one code path from CPU to 8xV100.
 
 Three processes, in the order they run, each in its own module:
 

@@ -4,7 +4,7 @@
     python -m zerotune.train worker RUN_DIR                       every rank, as torchrun starts it (worker.py)
     python -m zerotune.train finalize RUN_DIR                     rank 0's last process: verify, publish (finalize.py)
 
-`zerotune train` (launch.py) and slurm/finetune.sbatch start them the same way. The launcher resolved the
+`zerotune finetune` (launch.py) and slurm/finetune.sbatch start them the same way. The launcher resolved the
 recipe once, overrides and the allocation applied, into RUN_DIR/train/recipe.resolved.yaml; every rank and
 finalize read that file, so they cannot disagree with it or with each other.
 """

@@ -44,13 +44,13 @@ def finalize(r: Recipe) -> dict:
         mf.publish(tmp, out)
     run = RunRecord.read(paths.run_json)
     losses = [h["loss"] for h in mf.read_jsonl(paths.metrics) if "loss" in h]
-    manifest = {"stage": "train", "recipe": r.name, "model": str(out), **(vars(run) if run else {}),
+    manifest = {"stage": "finetune", "recipe": r.name, "model": str(out), **(vars(run) if run else {}),
                 "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
                 "verify": report, "model_sha256": {f: mf.sha256(out / f) for f in report["files"]}}
     mf.write(paths.train_manifest, manifest)
     plot_curves(paths.metrics, paths.curves)
     shown = " -> ".join(f"{x:.4f}" if x is not None else "n/a" for x in (manifest["first_loss"], manifest["final_loss"]))
-    print(f"train: done in {run.elapsed_s if run else 0:.0f}s; loss {shown}; "
+    print(f"finetune: done in {run.elapsed_s if run else 0:.0f}s; loss {shown}; "
           f"verified and published {out} ({report['params']:,} parameters, max |logit diff| after reload "
           f"{report['max_abs_logit_diff']:.2e})", flush=True)
     return manifest

@@ -80,7 +80,7 @@ class Stopped(_JsonFile):
 
 @dataclass
 class Outcome:
-    """How the workers ended, read from the run folder by whoever started them: `zerotune train` (launch.py)
+    """How the workers ended, read from the run folder by whoever started them: `zerotune finetune` (launch.py)
     and slurm/finetune.sbatch (slurm/job.py) read it the same way and each says it in its own words (only
     sbatch requeues)."""
     rc: int

@@ -1,4 +1,4 @@
-"""The parent process of `zerotune train`: check and build what the workers need, resolve the recipe into the
+"""The parent process of `zerotune finetune`: check and build what the workers need, resolve the recipe into the
 run folder, then start torchrun (`python -m zerotune.train torchrun RUN_DIR ...`, see __main__.py).
 
 slurm/job.py runs `before_launch` too, before srun starts the same torchrun on every node.
@@ -43,7 +43,7 @@ def materialise_base(r: Recipe) -> Path:
     load_tokenizer(r).save_pretrained(tmp)
     mf.write(tmp / paths.base_stamp.name, stamp)
     mf.publish(tmp, out)
-    print(f"train: initialised {sum(p.numel() for p in model.parameters()):,} parameters from "
+    print(f"finetune: initialised {sum(p.numel() for p in model.parameters()):,} parameters from "
           f"{r.model.init_config} (seed {r.model.init_seed}) -> {out}")
     return out
 
@@ -79,7 +79,7 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default then: stated here, it prints no banner about it
     torchrun = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
                 "-m", "zerotune.train", "worker", str(r.out)]
-    print(f"train: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: torchrun {' '.join(torchrun)}", flush=True)
+    print(f"finetune: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: torchrun {' '.join(torchrun)}", flush=True)
     rc = subprocess.call([sys.executable, "-m", "zerotune.train", "torchrun", str(r.out), *torchrun], env=env)
     return _say_outcome(r, Outcome.read(layout(r), rc))
 
@@ -91,10 +91,10 @@ def _say_outcome(r: Recipe, o: Outcome) -> int:
     stopped, rc = o.stopped, o.rc
     if stopped:
         if stopped.committed:
-            print(f"train: stopped on {stopped.signal} at step {stopped.step} with committed checkpoint "
+            print(f"finetune: stopped on {stopped.signal} at step {stopped.step} with committed checkpoint "
                   f"{stopped.checkpoint}; run the same command again to resume.", flush=True)
         else:
-            print(f"train: stopped on {stopped.signal} before training started, without a new checkpoint; run "
+            print(f"finetune: stopped on {stopped.signal} before training started, without a new checkpoint; run "
                   f"the same command again to resume from {stopped.checkpoint or 'the beginning'}.", flush=True)
         return REQUEUE_EXIT
     if o.user_error:  # printed once by local rank 0 unless only another rank hit it
@@ -102,6 +102,6 @@ def _say_outcome(r: Recipe, o: Outcome) -> int:
             print(f"zerotune: {o.user_error['message']}", file=sys.stderr, flush=True)
         return errors.EXIT_CODE
     if rc != 0:
-        print(f"train: the distributed job failed (exit {rc}); {layout(r).model} and committed checkpoints "
+        print(f"finetune: the distributed job failed (exit {rc}); {layout(r).model} and committed checkpoints "
               "are untouched.", file=sys.stderr, flush=True)
     return rc

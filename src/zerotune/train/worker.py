@@ -80,7 +80,7 @@ class Run:
 
     def say(self, msg: str) -> None:
         if self.rank == 0:
-            print(f"train: {msg}", flush=True)
+            print(f"finetune: {msg}", flush=True)
 
 
 def setup(r: Recipe) -> Run:
@@ -97,7 +97,7 @@ def setup(r: Recipe) -> Run:
     if r.train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
         os.environ.setdefault("WANDB_MODE", "offline")  # log locally; `wandb sync` later. Keys never printed.
         if rank == 0:
-            print("train: WANDB_API_KEY not set: wandb logs offline to ./wandb", flush=True)
+            print("finetune: WANDB_API_KEY not set: wandb logs offline to ./wandb", flush=True)
     gpu = hardware.detect()
     choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger)
     data_manifest = require_prepared(r)
@@ -325,10 +325,10 @@ def release_training_states(model_ref) -> None:
     if gpu0 is not None:
         mem += f", GPU allocated {gpu0:.2f} -> {torch.cuda.memory_allocated() / 2**30:.2f} GiB"
     if model_ref() is None:  # tests/test_train_integration.py checks this line
-        print(f"train: training states released ({mem}); finalizing", flush=True)
+        print(f"finetune: training states released ({mem}); finalizing", flush=True)
     else:  # a new holder: walk gc.get_referrers up from the model to an object gc cannot see all holders of
         # (a refcount above its gc-visible referrers: a C++ hook) or to a module global
-        print(f"train: the trained model is still referenced after training (rank 0's share of the training "
+        print(f"finetune: the trained model is still referenced after training (rank 0's share of the training "
               f"states stays allocated: {mem}); finalizing beside it", flush=True)
 
 
@@ -355,7 +355,7 @@ def _malloc_trim() -> None:
 
 def start_finalize(run_dir) -> None:
     """Verify and publish in a fresh process: reloading here would run ZeRO-3 collectives, and the same step
-    must run whether torchrun was started by `zerotune train` or by sbatch."""
+    must run whether torchrun was started by `zerotune finetune` or by sbatch."""
     from .finalize import job_cpus
 
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
