@@ -1,4 +1,5 @@
-"""Batched greedy answers (left padding, attention mask) are the answers of one prompt at a time, token for token."""
+"""Batched greedy answers (left padding, attention mask) are the answers of one prompt at a time, token for token.
+Leakage: answers to the sets after the first in the task's output format score 0, cached answers or not."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from zerotune.answering import hf_generate, load_hf
+from zerotune.answering import _score_all, hf_generate, leak_tests, load_hf, score_models
+from zerotune.config import EvalSetCfg, load_recipe
+from zerotune.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / "assets" / "models" / "smollm2-135m-instruct"
@@ -57,9 +60,96 @@ def test_batched_answers_equal_one_at_a_time_tiny(tiny_model_dir):
 
 @pytest.mark.integration
 @pytest.mark.skipif(not (SMOLLM2 / "model.safetensors").exists(), reason=f"{SMOLLM2} not fetched (make setup)")
+@pytest.mark.extended  # the tiny model's version runs in CI
 def test_batched_answers_equal_one_at_a_time_smollm2():
     """A trained model: answers stop at <|im_end|> at different lengths, so finished rows sit padded in the batch
     while the others decode."""
     answers = _assert_batching_changes_nothing(SMOLLM2, max_new_tokens=24, batch_sizes=(3, len(ROWS)))
     assert len({len(a) for a in answers}) > 1  # the batch really held answers of different lengths
     assert "Paris" in answers[2]
+
+
+# -- leakage (no model: answers are made up) --------------------------------------------------------------------
+
+TASK = EvalSetCfg(name="task", path="t.jsonl", scorer="json_fields")
+RETENTION = EvalSetCfg(name="retention", path="r.jsonl", scorer="contains")
+KEEP_ROWS = [{"messages": [{"role": "user", "content": "How many continents are there?"}], "answer": "7"},
+             {"messages": [{"role": "user", "content": "What is the capital of France?"}], "answer": "Paris"}]
+
+
+def test_a_retention_answer_in_the_task_format_scores_zero():
+    leaks = leak_tests([TASK, RETENTION])["retention"]
+    preds = ['{"world": 7"}', "Paris"]
+    assert _score_all(RETENTION, preds, KEEP_ROWS) == (1.0, [1.0, 1.0], None)  # contains alone accepts the JSON
+    assert _score_all(RETENTION, preds, KEEP_ROWS, leaks) == (0.5, [0.0, 1.0], 0.5)
+
+
+def test_the_first_set_is_the_task_and_leakage_settings_that_measure_nothing_are_refused():
+    tests = leak_tests([TASK, RETENTION])
+    assert tests["task"] is None and tests["retention"]('{"a": 1}')
+    assert leak_tests([EvalSetCfg(name="t", path="t.jsonl", scorer="exact"), RETENTION])["retention"] is None
+    forbid = EvalSetCfg(name="r", path="r.jsonl", scorer="contains", forbid=r"^You said", max_leakage=0.0)
+    assert leak_tests([EvalSetCfg(name="t", path="t.jsonl", scorer="exact"), forbid])["r"]("You said: x")
+    with pytest.raises(UserError, match=r"eval.sets\[r\].max_leakage: nothing to measure.*scored exact.*forbid"):
+        leak_tests([EvalSetCfg(name="t", path="t.jsonl", scorer="exact"),
+                    EvalSetCfg(name="r", path="r.jsonl", scorer="contains", max_leakage=0.0)])
+    with pytest.raises(UserError, match=r"eval.sets\[task\].max_leakage: the first set is the task set"):
+        leak_tests([EvalSetCfg(name="task", path="t.jsonl", scorer="json_fields", max_leakage=0.1), RETENTION])
+
+
+def test_score_models_zeroes_leaked_answers_fresh_and_from_the_cache(tmp_path, monkeypatch):
+    """The answer cache keeps answers only; scores and leakage are recomputed from them, so check and eval agree
+    whether they generated or read the cache."""
+    import json
+
+    import zerotune.answering as ans
+    from zerotune.layout import layout
+
+    task_rows = [{"messages": [{"role": "user", "content": "Extract: Ada, 36"}], "answer": '{"name": "Ada"}'}] * 2
+    for name, rows in (("task", task_rows), ("retention", KEEP_ROWS)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = load_recipe("tiny", [f"output_dir={tmp_path / 'run'}",
+                             f"eval.sets=[{{name: task, path: {tmp_path / 'task.jsonl'}, scorer: json_fields}}, "
+                             f"{{name: retention, path: {tmp_path / 'retention.jsonl'}, scorer: contains}}]"])
+    paths = layout(r)
+    paths.model.mkdir(parents=True)
+    (paths.model / "config.json").write_text("{}")
+    paths.gguf.parent.mkdir(parents=True)
+    paths.gguf.write_bytes(b"GGUF")
+    said = {"base": ["7", "Paris"], "hf": ['{"world": 7"}', "Paris"], "gguf": ['{"world": 7"}', '{"city": "Paris"}']}
+    task_said = ['{"name": "Ada"}', '{"name": "Bob"}']
+    generated = []
+
+    def hf_generate(model, tok, stop, rows, max_new_tokens, batch_size):
+        which = "hf" if model == paths.model else "base"
+        generated.append(which)
+        return task_said if rows[0]["answer"] != "7" else said[which]
+
+    def gguf_answers(llm, rows, max_new_tokens):
+        generated.append("gguf")
+        preds = task_said if rows[0]["answer"] != "7" else said["gguf"]
+        return preds, ["stop"] * len(preds)
+
+    class FakeLlama:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ans, "load_hf", lambda path: (path, None, [0]))
+    monkeypatch.setattr(ans, "hf_generate", hf_generate)
+    monkeypatch.setattr(ans, "load_gguf", lambda *a, **k: FakeLlama())
+    monkeypatch.setattr(ans, "gguf_answers", gguf_answers)
+    sets = r.eval.sets
+    rows_by_set = {"task": task_rows, "retention": KEEP_ROWS}
+    fresh = score_models(r, sets, rows_by_set)["sets"]
+    assert sorted(generated) == sorted(["base", "base", "hf", "hf", "gguf", "gguf"])
+    cached = score_models(r, sets, rows_by_set)["sets"]
+    assert len(generated) == 6  # nothing generated the second time
+    for res in (fresh, cached):
+        keep = res["retention"]
+        assert [keep[m]["score"] for m in ("base", "hf", "gguf")] == [1.0, 0.5, 0.0]
+        assert [keep[m]["leakage"] for m in ("base", "hf", "gguf")] == [0.0, 0.5, 1.0]
+        assert keep["hf"]["per_row"] == [0.0, 1.0]
+        assert res["task"]["hf"]["score"] == 0.5 and res["task"]["hf"]["leakage"] is None  # the task is JSON
+    assert all(cached[s][m]["cached"] for s in ("task", "retention") for m in ("base", "hf", "gguf"))
+    stored = json.loads(paths.answers.read_text())
+    assert all("score" not in v and "leakage" not in v for v in stored.values())  # answers only

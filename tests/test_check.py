@@ -44,6 +44,68 @@ def test_t4_fit_head_dim_defaults_to_hidden_over_heads():
     assert res["max_context_that_fits"] == 1024  # capped by the model's own maximum
 
 
+@pytest.mark.parametrize("hf,gguf,failed", [(0.1, 0.1, []), (0.1, 0.11, ["GGUF"]), (0.2, 0.1, ["fine-tuned HF"]),
+                                             (1.0, 1.0, ["fine-tuned HF", "GGUF"])])
+def test_max_leakage_gates_hf_and_gguf_not_the_base(hf, gguf, failed):
+    from zerotune.answering import set_failures
+    from zerotune.config import EvalSetCfg
+
+    es = EvalSetCfg(name="retention", path="r.jsonl", scorer="contains", max_leakage=0.1)
+    scores = {"base": 0.8, "hf": 0.8, "gguf": 0.8}
+    got = set_failures(es, scores, {"base": 1.0, "hf": hf, "gguf": gguf})
+    measured = {"fine-tuned HF": hf, "GGUF": gguf}
+    assert got == [f"retention: {m} answers {measured[m]:.3f} of the set in the task's format, more than 0.1 "
+                   f"(eval.sets[retention].max_leakage): the fine-tune leaks its format" for m in failed]
+    assert set_failures(EvalSetCfg(name="retention", path="r.jsonl"), scores, {"base": 1.0, "hf": 1.0, "gguf": 1.0}) == []
+    assert set_failures(es, scores, None) == []  # not measured (the task set): nothing to gate
+
+
+def test_check_writes_leakage_and_fails_past_max_leakage(tmp_path, monkeypatch, capsys):
+    """check's own path with the models faked: answers (score_models), the GGUF and the logit comparison."""
+    import zerotune.check as ck
+    import zerotune.gguf_checks
+    from zerotune.config import load_recipe
+    from zerotune.layout import layout
+
+    for name in ("task", "retention"):
+        (tmp_path / f"{name}.jsonl").write_text('{"messages": [{"role": "user", "content": "q"}], "answer": "a"}\n')
+    r = load_recipe("tiny", [f"output_dir={tmp_path / 'run'}",
+                             f"eval.sets=[{{name: task, path: {tmp_path / 'task.jsonl'}, scorer: json_fields}}, "
+                             f"{{name: retention, path: {tmp_path / 'retention.jsonl'}, scorer: contains, "
+                             f"max_leakage: 0.0}}]"])
+    paths = layout(r)
+    paths.model.mkdir(parents=True)
+    (paths.model / "config.json").write_text((REPO / "configs" / "models" / "tiny_llama31.json").read_text())
+    paths.gguf.parent.mkdir(parents=True)
+    paths.gguf.write_bytes(b"GGUF")
+    one = {"answers": ["a"], "finish": ["stop"], "seconds": 1.0, "per_row": [1.0]}
+    leak = {"base": 0.0, "hf": 0.0, "gguf": 1.0}
+    scored = {"task": {m: {**one, "score": 1.0, "leakage": None} for m in leak},
+              "retention": {m: {**one, "score": 1.0 - v, "leakage": v} for m, v in leak.items()}}
+
+    class FakeLlama:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(zerotune.gguf_checks, "read_header", lambda path: None)
+    monkeypatch.setattr(ck, "score_models", lambda r, sets, rows: {"models": {}, "sets": scored})
+    monkeypatch.setattr(ck, "load_gguf", lambda *a, **k: FakeLlama())
+    monkeypatch.setattr(ck, "heldout_documents", lambda r, limit: [])
+    monkeypatch.setattr(ck, "logit_agreement", lambda llm, model_dir, docs: {
+        "documents": 0, "positions": 0, "mean_kl": None, "top1_agreement": 1.0, "label_positions": 0,
+        "top1_agreement_labels": None, "ppl_ratio": 1.0})
+    monkeypatch.setattr(ck, "speed", lambda llm: {"prompt_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0})
+    assert ck.check(r) == 1
+    res = json.loads((tmp_path / "run" / "check" / "check.json").read_text())
+    assert res["sets"]["task"]["leakage"] is None
+    assert res["sets"]["retention"]["leakage"] == leak and res["sets"]["retention"]["max_leakage"] == 0.0
+    assert res["failures"] == ["retention: GGUF answers 1.000 of the set in the task's format, more than 0.0 "
+                               "(eval.sets[retention].max_leakage): the fine-tune leaks its format"]
+    out = capsys.readouterr().out
+    assert "answers in the task's format (leakage, scored 0): base 0.000 | HF 0.000 | GGUF 1.000 (max 0.0)" in out
+    assert json.loads(out.strip().splitlines()[-1])["leakage"] == {"retention": leak}
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_gguf):
     llm = load_gguf(tiny_gguf, n_ctx=512)

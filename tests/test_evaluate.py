@@ -52,6 +52,19 @@ def test_recipe_scorer_names_come_from_the_scorers_table():
         load_recipe("tiny", ["eval.sets=[{name: t, path: a.jsonl}, {name: t, path: b.jsonl}]"])
 
 
+def test_leakage_keys_are_checked_at_load_and_explained():
+    from zerotune.config import RecipeError, explain, load_recipe
+
+    es = load_recipe("tiny", ["eval.sets=[{name: t, path: a.jsonl}, {name: r, path: b.jsonl, forbid: '^\\s*\\{', "
+                              "max_leakage: 0}]"]).eval.sets[1]
+    assert (es.forbid, es.max_leakage) == (r"^\s*\{", 0.0)
+    with pytest.raises(RecipeError, match=r"eval.sets\[1\]: .*max_leakage in \[0, 1\]"):
+        load_recipe("tiny", ["eval.sets=[{name: t, path: a.jsonl}, {name: r, path: b.jsonl, max_leakage: 1.5}]"])
+    with pytest.raises(RecipeError, match=r"eval.sets\[1\].forbid: '\(' is not a regular expression"):
+        load_recipe("tiny", ["eval.sets=[{name: t, path: a.jsonl}, {name: r, path: b.jsonl, forbid: '('}]"])
+    assert "    - forbid: None" in explain() and "    - max_leakage: None" in explain()
+
+
 @pytest.mark.parametrize("content,match", [
     ('{"messages": [{"role": "user", "content": "hi"}]}\n', "line 1: needs 'messages'.*and 'answer'"),
     ('{"messages": [], "answer": "x"}\nnot json\n', "line 2: not valid JSON"),
@@ -111,6 +124,54 @@ def test_missing_model_is_a_user_error_naming_the_stage(tmp_path):
     proc = _eval(tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "no fine-tuned model; run `make finetune RECIPE=tiny` first" in proc.stderr
+
+
+def test_table_shows_leakage_per_model_and_a_dash_where_it_is_not_measured():
+    from zerotune.evaluate import format_table
+
+    table = [{"set": "task", "scorer": "json_fields", "n": 60, "base": 0.0, "hf": 0.667, "gguf": 0.683,
+              "leakage": None},
+             {"set": "retention", "scorer": "contains", "n": 40, "base": 0.825, "hf": 0.35, "gguf": 0.375,
+              "leakage": {"base": 0.0, "hf": 0.55, "gguf": 0.525}}]
+    head, _, task, keep = format_table(table).splitlines()
+    assert head.split()[-4:] == ["leak", "base", "HF", "GGUF"]
+    assert task.split()[-3:] == ["-", "-", "-"]
+    assert keep.split()[-3:] == ["0.000", "0.550", "0.525"]
+    assert len(keep) == len(head)  # the leak columns line up under their headers
+
+
+def _fake_scored(tmp_path: Path, leakage: dict) -> tuple[list[str], dict]:
+    """Overrides for two sets (a JSON task, a retention set with max_leakage 0.5) and the score_models result
+    that answering.py would make of answers leaking `leakage`."""
+    for name in ("task", "retention"):
+        (tmp_path / f"{name}.jsonl").write_text('{"messages": [{"role": "user", "content": "q"}], "answer": "a"}\n')
+    sets = (f"eval.sets=[{{name: task, path: {tmp_path / 'task.jsonl'}, scorer: json_fields}}, {{name: retention, "
+            f"path: {tmp_path / 'retention.jsonl'}, scorer: contains, max_leakage: 0.5}}]")
+    one = {"answers": ["a"], "finish": ["stop"], "seconds": 1.0, "per_row": [1.0]}
+    scored = {"models": {}, "sets": {"task": {m: {**one, "score": 1.0, "leakage": None} for m in leakage},
+                                     "retention": {m: {**one, "score": 1.0 - v, "leakage": v}
+                                                   for m, v in leakage.items()}}}
+    return [f"output_dir={tmp_path / 'run'}", sets], scored
+
+
+@pytest.mark.parametrize("gguf_leak,code", [(0.5, 0), (0.75, 1)])
+def test_eval_writes_leakage_and_fails_past_max_leakage(tmp_path, monkeypatch, capsys, gguf_leak, code):
+    import zerotune.evaluate as ev
+    from zerotune.config import load_recipe
+
+    overrides, scored = _fake_scored(tmp_path, {"base": 0.0, "hf": 0.25, "gguf": gguf_leak})
+    monkeypatch.setattr(ev, "score_models", lambda r, sets, rows: scored)
+    assert ev.evaluate(load_recipe("tiny", overrides)) == code
+    res = json.loads((tmp_path / "run" / "eval" / "eval.json").read_text())
+    table = {t["set"]: t for t in res["table"]}
+    assert table["task"]["leakage"] is None
+    assert table["retention"]["leakage"] == {"base": 0.0, "hf": 0.25, "gguf": gguf_leak}
+    assert table["retention"]["max_leakage"] == 0.5
+    out = capsys.readouterr().out
+    assert "leak base" in out
+    fail = "FAIL retention: GGUF answers 0.750 of the set in the task's format, more than 0.5 " \
+           "(eval.sets[retention].max_leakage)"
+    assert (fail in out) is bool(code) and "fine-tuned HF answers" not in out
 
 
 # -- integration ----------------------------------------------------------------------------------------------

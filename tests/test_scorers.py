@@ -62,3 +62,33 @@ def test_unknown_scorer_and_mean():
         score("bleu", "a", {"answer": "a"})
     rows = [{"answer": "a"}, {"answer": "b"}]
     assert mean_score("exact", ["a", "c"], rows) == 0.5
+
+
+@pytest.mark.parametrize("answer,leaked", [
+    ('{"language": "French"}', True),                  # the task's JSON, whole
+    ('```json\n{"language": "French"}\n```', True),   # fenced, as chat models like to
+    ('```json\n{"language": "Fren', True),            # fenced and cut off at max_new_tokens
+    ('{"world": 7"}', True),                           # broken JSON: still the task's format
+    ('  [1, 2, 3]', True),                             # a JSON array
+    ("There are 7 continents.", False),                # plain prose
+    ("In Python a dict looks like {1: 2}.", False),    # braces mid-sentence: prose that mentions JSON
+    ("7", False),                                      # a bare JSON scalar is a plain answer, not the format
+    ("", False),
+])
+def test_json_shaped_is_the_json_tasks_leak_test(answer, leaked):
+    from zerotune.scorers import json_shaped, leak_test
+
+    assert json_shaped(answer) is leaked
+    assert leak_test("json_fields")(answer) is leaked and leak_test("json_valid")(answer) is leaked
+
+
+def test_forbid_replaces_the_task_format_and_content_scorers_define_none():
+    from zerotune.scorers import FORMATS, leak_test
+
+    assert set(FORMATS) <= set(SCORERS)
+    for name in ("exact", "normalized", "contains", "regex", "numeric"):
+        assert leak_test(name) is None  # no output format: leakage is not measured
+    forbid = leak_test("contains", r"^You said:")
+    assert forbid("You said: red cat") and not forbid("I said: You said:")
+    only_keys = leak_test("json_fields", r'"(name|age)"\s*:')  # a set whose right answers are JSON themselves
+    assert only_keys('{"name": "Ada"}') and not only_keys('{"colour": "red"}')

@@ -5,6 +5,10 @@ HF model and its GGUF, each greedily through the same chat template (score_model
 time, with answers cached so check and eval on the same weights generate once. The HF models answer in
 left-padded batches (hf_generate); the GGUF answers through its own embedded template (gguf_answers), as
 `zerotune serve` does.
+
+The first set is the task set, the one the recipe trains for. In every other set, an answer given in the task's
+output format (JSON for a json_valid / json_fields task, or the set's `forbid` regex) is leakage: it is counted
+per model and never scores (_score_all), and set_failures gates it (`max_leakage`) next to `max_drop`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import Callable
 
 from . import manifest as mf
 from .config import EvalSetCfg, Recipe, resolve_path
@@ -58,13 +63,37 @@ def load_rows(es: EvalSetCfg) -> list[dict]:
     return rows
 
 
+def leak_tests(sets: list[EvalSetCfg]) -> dict[str, Callable[[str], bool] | None]:
+    """{set: what counts as a leaked answer there, or None (not measured)}. The first set is the task: its
+    scorer's output format (scorers.FORMATS) is what must not show up in the other sets' answers, unless a set
+    says itself what must not (`forbid`). A gate or regex that could measure nothing is refused, not ignored."""
+    from .scorers import leak_test
+
+    task = sets[0]
+    for k in ("forbid", "max_leakage"):
+        if getattr(task, k) is not None:
+            raise UserError(f"eval.sets[{task.name}].{k}: the first set is the task set, whose answers are meant to "
+                            f"be in its format; leakage is measured on the sets after it. Move {k} to one of those.")
+    tests: dict[str, Callable[[str], bool] | None] = {task.name: None}
+    for es in sets[1:]:
+        tests[es.name] = leak_test(task.scorer, es.forbid)
+        if tests[es.name] is None and es.max_leakage is not None:
+            raise UserError(f"eval.sets[{es.name}].max_leakage: nothing to measure: the task set '{task.name}' is "
+                            f"scored {task.scorer}, which asks for no output format; set eval.sets[{es.name}].forbid "
+                            f"(a regex a leaked answer matches, e.g. '^\\s*\\{{') or drop max_leakage.")
+    return tests
+
+
 def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[dict]]) -> dict:
-    """{set: {model: {"score", "answers", "seconds"}}} for base, fine-tuned HF and GGUF, one model in memory
-    at a time. Answers are cached in runs/<r>/eval/answers.json by (weights, prompts, max_new_tokens), so
-    `check` and `eval` on the same models generate once (greedy decoding: the same inputs give the same text;
-    the HF batch size is not in the key because batched answers equal one-at-a-time answers)."""
+    """{set: {model: {"score", "per_row", "leakage", "answers", "seconds"}}} for base, fine-tuned HF and GGUF, one
+    model in memory at a time; `sets` is every eval set, the task set first. Answers are cached in
+    runs/<r>/eval/answers.json by (weights, prompts, max_new_tokens), so `check` and `eval` on the same models
+    generate once (greedy decoding: the same inputs give the same text; the HF batch size is not in the key
+    because batched answers equal one-at-a-time answers). Only answers are cached: scores and leakage are
+    computed from them on every call, so a changed scorer, `forbid` or leak rule needs no new answers."""
     if r.eval.batch_size < 1:
         raise UserError(f"recipe {r.name}: eval.batch_size must be at least 1 (got {r.eval.batch_size}).")
+    leaks = leak_tests(sets)  # a bad leakage setting is refused before minutes of generation
     models = {"base": layout(r).base, "hf": layout(r).model, "gguf": layout(r).gguf}
     if not (models["hf"] / "config.json").exists():
         raise MissingInputError(f"{models['hf']}: no fine-tuned model; run `make finetune RECIPE={r.name}` first.")
@@ -109,7 +138,7 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
         mf.write(cache_file, cache)
     for es in sets:
         for which, v in res[es.name].items():
-            v["score"], v["per_row"] = _score_all(es, v["answers"], rows_by_set[es.name])
+            v["score"], v["per_row"], v["leakage"] = _score_all(es, v["answers"], rows_by_set[es.name], leaks[es.name])
     return {"models": {k: str(v) for k, v in models.items()}, "sets": res}
 
 
@@ -195,8 +224,42 @@ def gguf_answers(llm, rows: list[dict], max_new_tokens: int) -> tuple[list[str],
     return answers, reasons
 
 
-def _score_all(es: EvalSetCfg, preds: list[str], rows: list[dict]) -> tuple[float, list[float]]:
+def _score_all(es: EvalSetCfg, preds: list[str], rows: list[dict],
+               leaks: Callable[[str], bool] | None = None) -> tuple[float, list[float], float | None]:
+    """(mean score, per-row scores, leakage: the fraction of answers in the task's format, None = not measured).
+    A leaked answer scores 0 whatever the scorer says: `contains` would accept {"world": 7"} for "7", and a
+    model that answers everything in the task's JSON has not kept the skill the set measures."""
     from .scorers import score
 
     per = [score(es.scorer, p, row, es.pattern) for p, row in zip(preds, rows)]
-    return sum(per) / len(per), per
+    if leaks is None:
+        return sum(per) / len(per), per, None
+    leaked = [leaks(p) for p in preds]
+    per = [0.0 if lk else s for s, lk in zip(per, leaked)]
+    return sum(per) / len(per), per, sum(leaked) / len(leaked)
+
+
+def leakage_by_model(by_model: dict) -> dict[str, float] | None:
+    """One set's {model: fraction of answers in the task's format} from score_models' {model: {...}}; None where
+    it is not measured (the task set, or a task whose scorer asks for no format)."""
+    if by_model["hf"]["leakage"] is None:
+        return None
+    return {m: by_model[m]["leakage"] for m in ("base", "hf", "gguf")}
+
+
+MODEL_NAMES = {"base": "base", "hf": "fine-tuned HF", "gguf": "GGUF"}
+
+
+def set_failures(es: EvalSetCfg, scores: dict[str, float], leakage: dict[str, float] | None) -> list[str]:
+    """The per-set gates check and eval both enforce, from {model: score} and {model: leakage}: the fine-tuned
+    model within `max_drop` of the base (retention), and the fine-tuned HF and GGUF answering at most
+    `max_leakage` of the set in the task's format (the base model is reported, not gated: it was not tuned)."""
+    out = []
+    if es.max_drop is not None and scores["hf"] < scores["base"] - es.max_drop - 1e-9:
+        out.append(f"{es.name}: fine-tuned HF {scores['hf']:.3f} is more than {es.max_drop} below the base model's "
+                   f"{scores['base']:.3f} (eval.sets[{es.name}].max_drop): the fine-tune cost too much here")
+    for m in ("hf", "gguf"):
+        if es.max_leakage is not None and leakage is not None and leakage[m] > es.max_leakage + 1e-9:
+            out.append(f"{es.name}: {MODEL_NAMES[m]} answers {leakage[m]:.3f} of the set in the task's format, more "
+                       f"than {es.max_leakage} (eval.sets[{es.name}].max_leakage): the fine-tune leaks its format")
+    return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -142,6 +143,8 @@ class EvalSetCfg:
     pattern: Optional[str] = _f(None, "scorer regex: group 1 is the extracted answer (a row's own pattern wins)")
     max_new_tokens: int = _f(32, "Greedy tokens per prompt")
     max_drop: Optional[float] = _f(None, "Fine-tuned HF may score at most this much below the base model (check enforces it); null = no gate")
+    forbid: Optional[str] = _f(None, "Sets after the first: a regex (re.search) marking an answer as leaked; replaces the leak test of the first set's scorer (json_valid/json_fields: the answer is JSON); null = that test")
+    max_leakage: Optional[float] = _f(None, "Sets after the first: fine-tuned HF and GGUF may answer at most this fraction in the task's format (check and eval enforce it); null = no gate")
     limit: Optional[int] = _f(None, "Score only the first N rows; null = all")
 
 
@@ -285,8 +288,13 @@ def _build_eval_set(raw: Any, where: str) -> EvalSetCfg:
     es = _build(EvalSetCfg, raw, where)
     if not es.name or not es.path:
         raise RecipeError(f"{where}: every eval set needs a name and a path (JSONL with messages + answer).")
-    if es.max_new_tokens <= 0 or (es.max_drop is not None and not 0 <= es.max_drop <= 1):
-        raise RecipeError(f"{where}: max_new_tokens must be positive and max_drop in [0, 1].")
+    if es.max_new_tokens <= 0 or any(x is not None and not 0 <= x <= 1 for x in (es.max_drop, es.max_leakage)):
+        raise RecipeError(f"{where}: max_new_tokens must be positive, max_drop and max_leakage in [0, 1].")
+    if es.forbid is not None:
+        try:
+            re.compile(es.forbid)
+        except re.error as e:
+            raise RecipeError(f"{where}.forbid: {es.forbid!r} is not a regular expression ({e}).") from None
     return es
 
 

@@ -3,8 +3,9 @@ fine-tuned HF model (runs/<r>/model) and its GGUF, side by side, with the same c
 decoding (answering.py, through which `zerotune check` answers too: check and eval share cached answers), then
 lm-evaluation-harness tasks when `eval.lm_eval_tasks` names any.
 
-Writes runs/<r>/eval/eval.json and eval.png (grouped bars) and prints one table. A missing model or GGUF is
-a user error that says which stage makes it. Exits 1 when a set's `max_drop` is exceeded.
+Writes runs/<r>/eval/eval.json and eval.png (grouped bars) and prints one table, with each model's leakage per
+set (answers in the task's output format, answering.py). A missing model or GGUF is a user error that says which
+stage makes it. Exits 1 when a set's `max_drop` or `max_leakage` is exceeded (the gates check enforces too).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 from . import manifest as mf
-from .answering import eval_sets, load_rows, score_models
+from .answering import eval_sets, leakage_by_model, load_rows, score_models, set_failures
 from .config import EvalSetCfg, Recipe
 from .errors import UserError
 from .layout import layout
@@ -34,13 +35,14 @@ def evaluate(r: Recipe) -> int:
     table = []
     for es in sets:
         s = scored["sets"][es.name]
+        scores = {m: s[m]["score"] for m in ("base", "hf", "gguf")}
+        leakage = leakage_by_model(s)
         line = {"set": es.name, "scorer": es.scorer, "n": len(rows_by_set[es.name]),
-                **{m: round(s[m]["score"], 4) for m in ("base", "hf", "gguf")}, "max_drop": es.max_drop,
-                "seconds": {m: s[m]["seconds"] for m in ("base", "hf", "gguf")}}
+                **{m: round(v, 4) for m, v in scores.items()}, "max_drop": es.max_drop,
+                "leakage": leakage and {m: round(v, 4) for m, v in leakage.items()},
+                "max_leakage": es.max_leakage, "seconds": {m: s[m]["seconds"] for m in ("base", "hf", "gguf")}}
         table.append(line)
-        if es.max_drop is not None and line["hf"] < line["base"] - es.max_drop:
-            failures.append(f"{es.name}: fine-tuned HF {line['hf']:.3f} is more than {es.max_drop} below the base "
-                            f"model's {line['base']:.3f} (eval.sets[{es.name}].max_drop)")
+        failures += set_failures(es, scores, leakage)
     out = layout(r).eval
     out.mkdir(parents=True, exist_ok=True)
     examples = {es.name: [{"prompt": row["messages"][-1].get("content"), "reference": row["answer"],
@@ -61,15 +63,23 @@ def evaluate(r: Recipe) -> int:
 
 
 def format_table(table: list[dict], lm: dict | None = None) -> str:
-    lines = [f"{'set':<14} {'scorer':<11} {'n':>5} {'base':>7} {'HF':>7} {'GGUF':>7}",
-             "-" * 56]
+    """Scores, then leakage (the fraction of answers in the task's format; "-" where it is not measured)."""
+    lines = [f"{'set':<14} {'scorer':<11} {'n':>5} {'base':>7} {'HF':>7} {'GGUF':>7}   "
+             f"{'leak base':>9} {'HF':>6} {'GGUF':>6}",
+             "-" * 82]
     for t in table:
+        leak = t["leakage"] or {}
         lines.append(f"{t['set']:<14} {t['scorer']:<11} {t['n']:>5} {t['base']:>7.3f} {t['hf']:>7.3f} "
-                     f"{t['gguf']:>7.3f}")
+                     f"{t['gguf']:>7.3f}   {_frac(leak.get('base')):>9} {_frac(leak.get('hf')):>6} "
+                     f"{_frac(leak.get('gguf')):>6}")
     for task, v in (lm or {}).get("tasks", {}).items():
         lines.append(f"{'lm-eval ' + task:<26} {v.get('n') or 0:>5} {'':>7} {v['hf'] or 0:>7.3f} "
                      f"{v['gguf'] or 0:>7.3f}")
     return "\n".join(lines)
+
+
+def _frac(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def plot(table: list[dict], png: Path, title: str) -> None:

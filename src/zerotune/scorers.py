@@ -4,6 +4,9 @@ A held-out row is `{"messages": [chat prompt], "answer": "reference"}` (or a lis
 Every scorer returns a float in [0, 1]; they are all 0/1 today, the range leaves room for partial credit.
 `config.py` derives the recipe's allowed `eval.sets[].scorer` names from this table, so a new scorer needs
 no second edit there.
+
+A scorer that asks for an output format (JSON) also defines what leakage of that format looks like in answers
+to other sets: `FORMATS`, `leak_test`.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ def _numbers(text: str) -> list[float]:
     return out
 
 
+_FENCE_OPEN = r"```(?:json)?\s*"
+
+
 def _json(text: str):
     """The parsed JSON value, or a sentinel when it does not parse. A ```json fence around it is allowed:
     chat models add one unprompted, and the content is what the task asks for."""
     s = text.strip()
-    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", s, re.S)
+    fence = re.fullmatch(_FENCE_OPEN + r"(.*?)\s*```", s, re.S)
     if fence:
         s = fence.group(1)
     try:
@@ -125,3 +131,31 @@ def score(scorer: str, prediction: str, row: dict, pattern: str | None = None) -
 
 def mean_score(scorer: str, predictions: list[str], rows: list[dict], pattern: str | None = None) -> float:
     return sum(score(scorer, p, r, pattern) for p, r in zip(predictions, rows)) / max(1, len(rows))
+
+
+def json_shaped(prediction: str) -> bool:
+    """Is this answer given as JSON, the format of a json_valid / json_fields task? It is when, a ```json fence
+    (closed or not) removed, it starts with `{` or `[`. That covers every JSON object or array `_json` parses, and
+    the broken ones a fine-tune leaks into unrelated answers ({"world": 7"}) or max_new_tokens cuts off.
+    Not leakage: a bare JSON scalar ("7", "true": a plain answer to a plain question) and prose with braces
+    later on ("a dict looks like {1: 2}"); a set's `forbid` regex catches other shapes."""
+    return re.sub("^" + _FENCE_OPEN, "", prediction.strip()).startswith(("{", "["))
+
+
+# The output format a task's scorer asks for, as a test of one answer. Answers to the other eval sets in this
+# format are leakage: the fine-tune taught the task's format where it does not belong. Scorers that compare
+# content only (exact, contains, numeric, ...) define no format.
+FORMATS: dict[str, Callable[[str], bool]] = {
+    "json_valid": json_shaped,
+    "json_fields": json_shaped,
+}
+
+
+def leak_test(task_scorer: str, forbid: str | None = None) -> Callable[[str], bool] | None:
+    """What counts as a leaked answer in a set next to a task scored `task_scorer`: the set's own `forbid` regex
+    (re.search) when it has one, which replaces the task's format (so a set whose right answers are JSON can
+    forbid only the task's keys); else the task's format; None = not measured."""
+    if forbid is not None:
+        rx = re.compile(forbid)
+        return lambda prediction: rx.search(prediction) is not None
+    return FORMATS.get(task_scorer)
