@@ -108,7 +108,8 @@ def test_lora_changes_only_adapters_reloads_and_merges(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("recipe", ["tiny_lora", pytest.param("tiny_qlora", marks=pytest.mark.extended)])
+@pytest.mark.extended  # adapter resume: the full fine-tune's exact resume runs in CI (test_slurm_cluster, test_resume)
+@pytest.mark.parametrize("recipe", ["tiny_lora", "tiny_qlora"])
 def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
     """LoRA under ZeRO-3 (2 processes) and QLoRA (4-bit base, no DeepSpeed): stop on SIGUSR1 with a committed
     checkpoint (adapter, optimizer, scheduler, RNG), resume, and match an uninterrupted run step by step."""
@@ -156,6 +157,7 @@ def test_lora_under_zero3_trains_without_gradient_checkpointing(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # QLoRA's second path; CI trains LoRA under ZeRO-3 and merges it (test_lora_*)
 def test_qlora_on_two_processes_equals_one(tmp_path):
     """QLoRA under DDP (each rank holds the 4-bit base; no ZeRO sharding): world 2 x GA 2 gives the same
     per-step loss and grad norm as world 1 x GA 4 for the same token-stated global batch."""

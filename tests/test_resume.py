@@ -61,6 +61,7 @@ def test_planned_checkpoint_size_matches_the_real_one(reference):
     assert disk["checkpoints_at_once"] == 3  # save_total_limit 2 + the one being committed
 
 
+@pytest.mark.extended  # the same stop, commit and exact resume run in CI through sbatch (test_slurm_cluster.py)
 def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(reference, tmp_path):
     run = fresh(reference, tmp_path / "run")
     proc = start_train(run, tmp_path / "interrupted.log", *COMMON)

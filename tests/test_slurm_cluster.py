@@ -99,6 +99,7 @@ def test_time_limit_warning_commits_requeues_resumes_and_quantizes(slurm, prepar
     assert (run / "gguf" / "tiny-q8_0.gguf").stat().st_size > 0
 
 
+@pytest.mark.extended  # 270 s; the requeue itself is CI's time-limit test below
 def test_usr1_at_startup_then_scancel_then_resubmit(slurm, prepared, reference, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(prepared / "data", run / "data")
