@@ -57,3 +57,12 @@ def test_trainer_fills_the_autos_for_8_gpus():
     c = hf.config
     assert c["train_batch_size"] * r.data.seq_len == 62_914_560
     assert c["gradient_accumulation_steps"] == bp.grad_accum and c["fp16"]["enabled"] is True
+
+
+def test_an_epoch_counts_the_trainers_last_partial_accumulation_step():
+    """The Trainer's epoch: ceil(ceil(n / micro) / world) micro-batches per rank, then ceil(that / GA) steps
+    (accelerate pads ranks evenly; trainer.py num_update_steps_per_epoch). 1,000 rows on 16 ranks at GA 4: 63
+    micro-batches per rank, 16 steps (the last of 3 micro-batches), not 1000 // 64 = 15 (which left 40 rows out)."""
+    bp = derive(16 * 4 * 256, 256, 1, 16)
+    assert bp.grad_accum == 4 and bp.steps_per_epoch(1000) == 16 and bp.total_steps(1000, 0, 2) == 32
+    assert bp.steps_per_epoch(1024) == 16 and bp.total_steps(1000, 7, 2) == 7  # max_steps wins

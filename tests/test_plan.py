@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from zerotune.config import RECIPES_DIR, load_recipe
@@ -111,9 +113,10 @@ def test_disk_preflight_refuses_a_too_small_file_system(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("packing", [True, False])
 def test_the_plan_books_the_steps_the_worker_trains(tmp_path, packing):
-    """One count of optimizer steps (BatchPlan.total_steps), in sequences. Unpacked, tiny's 2,769 documents are
-    2,769 rows of 4 per step: the worker trains 1,384 steps in 2 epochs, where the plan's old tokens / global
-    batch (78,966 / 1,024) booked 154."""
+    """One count of optimizer steps (BatchPlan.total_steps), in sequences, as the Trainer takes them. Unpacked,
+    tiny's 2,769 documents are 1,385 micro-batches per rank (accelerate rounds up), 693 steps of GA 2 per epoch
+    (the last one partial): 1,386 in 2 epochs, where the plan's old tokens / global batch (78,966 / 1,024)
+    booked 154."""
     from datasets import load_from_disk
 
     from zerotune.batch import derive
@@ -125,4 +128,5 @@ def test_the_plan_books_the_steps_the_worker_trains(tmp_path, packing):
     n = len(load_from_disk(str(tmp_path / "data" / "train")))
     bp = derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, 2)
     data = compute_plan(r, gpu="cpu", gpus_per_node=2, nodes=1)["data"]
-    assert data["train_sequences"] == n and data["total_steps"] == total_steps(n, bp, r) == 2 * (n // 4)
+    per_rank = math.ceil(n / 2)  # micro-batch 1, world 2
+    assert data["train_sequences"] == n and data["total_steps"] == total_steps(n, bp, r) == 2 * math.ceil(per_rank / 2)

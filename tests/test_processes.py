@@ -29,11 +29,11 @@ def test_a_worker_without_a_launched_run_says_how_it_is_started(tmp_path):
     p = _run("-m", "zerotune.train", "finalize", str(tmp_path))
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip().splitlines() == [
-        f"zerotune: {tmp_path}/train/recipe.resolved.yaml not found: these processes are started by `zerotune "
-        "train RECIPE` or slurm/finetune.sbatch, which write it first."]
+        f"zerotune: {tmp_path}/train/recipe.resolved.yaml not found: these processes are started by `make "
+        "finetune RECIPE=...` or slurm/finetune.sbatch, which write it first."]
 
 
 def test_the_user_cli_has_no_internal_process_flags():
-    p = _run("-m", "zerotune", "finetune", "tiny", "--finalize")
+    p = _run("-m", "zerotune", "finetune", "tiny", "--finalize")  # argparse refuses it before anything runs
     assert p.returncode == 2 and "unrecognized arguments: --finalize" in p.stderr
     assert _run("-m", "zerotune.train").returncode == 2  # no role: its usage, not a traceback

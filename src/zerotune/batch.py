@@ -33,10 +33,13 @@ class BatchPlan:
         return self.micro_batch_size * self.world_size * self.grad_accum
 
     def steps_per_epoch(self, n_sequences: int) -> int:
-        """Whole optimizer steps in one pass over the prepared sequences (the Trainer drops the last partial one).
-        Counted in sequences, not tokens: an unpacked row is one document, shorter than seq_len, so tokens /
-        global batch would count far fewer steps than the Trainer takes."""
-        return n_sequences // self.sequences_per_step
+        """Optimizer steps the HF Trainer takes per pass over the prepared sequences: each rank's dataloader holds
+        ceil(ceil(n / micro) / world) micro-batches (accelerate evens ranks out by repeating the first rows), and
+        an epoch ends with a partial accumulation step when they don't divide by GA (transformers trainer.py,
+        num_update_steps_per_epoch). Counted in sequences, not tokens: an unpacked row is one document, shorter
+        than seq_len, so tokens / global batch would count far fewer steps than the Trainer takes."""
+        per_rank = -(-(-(-n_sequences // self.micro_batch_size)) // self.world_size)
+        return -(-per_rank // self.grad_accum)
 
     def total_steps(self, n_sequences: int, max_steps: int, epochs: float) -> int:
         """The run's optimizer steps, as the worker trains them and the plan books them (0: not one step of data)."""

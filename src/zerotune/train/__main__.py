@@ -37,8 +37,8 @@ def main(argv: list[str]) -> int:
     paths = RunLayout(run)
     try:
         if not paths.run_recipe.exists():
-            raise MissingInputError(f"{paths.run_recipe} not found: these processes are started by `zerotune "
-                                    "train RECIPE` or slurm/finetune.sbatch, which write it first.")
+            raise MissingInputError(f"{paths.run_recipe} not found: these processes are started by `make "
+                                    "finetune RECIPE=...` or slurm/finetune.sbatch, which write it first.")
         r = load_recipe(str(paths.run_recipe))
         if role == "worker":
             from .worker import worker

@@ -57,7 +57,7 @@ def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choic
 
 def total_steps(n_sequences: int, bp: batchmod.BatchPlan, r: Recipe) -> int:
     steps = bp.total_steps(n_sequences, r.train.max_steps, r.train.epochs)
-    if steps == 0:
+    if steps == 0 or (r.train.max_steps <= 0 and n_sequences < bp.sequences_per_step):
         raise UserError(f"the prepared data has {n_sequences} sequences, fewer than one optimizer step "
                          f"({bp.sequences_per_step}); lower train.global_batch_tokens or add data.")
     return steps

@@ -16,6 +16,7 @@ from ..layout import RunLayout
 
 
 def run_torchrun(run_dir: Path, argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
@@ -35,6 +36,14 @@ def run_torchrun(run_dir: Path, argv: list[str]) -> int:
     try:
         main(argv)
     except ChildFailedError:
+        if run.stopped.exists():
+            return REQUEUE_EXIT
+        if read_handoff(run.train) is not None:
+            return EXIT_CODE
+        raise
+    except SignalException:
+        # another node's torchrun exited 75 first and srun --kill-on-bad-exit sent this one SIGTERM while its
+        # workers were stopping as asked (torch/distributed/launcher/api.py re-raises it): same ending, quietly
         if run.stopped.exists():
             return REQUEUE_EXIT
         if read_handoff(run.train) is not None:
