@@ -41,6 +41,7 @@ def test_bench_data_small(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # make bench runs this plumbing in full
 @pytest.mark.usefixtures("tokenizer_dir")
 def test_bench_inference_small(tmp_path):
     _run(["bench/bench_inference.py", "--model", str(tmp_path / "none"), "--prompt-tokens", "32", "--new-tokens",
