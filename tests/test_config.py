@@ -90,3 +90,10 @@ def test_the_plan_gpu_is_validated_against_the_gpu_table_at_load():
     with pytest.raises(RecipeError, match=r"plan.gpu: 'v100' is not one of .*Did you mean 'v100-32gb'"):
         load_recipe("tiny", ["plan.gpu=v100"])
     assert {load_recipe("tiny", [f"plan.gpu={g}"]).plan.gpu for g in GPUS} == set(GPUS)
+
+
+def test_eval_batch_size_below_one_is_refused_at_load():
+    from zerotune.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"eval.batch_size=0: must be at least 1"):
+        load_recipe("tiny", ["eval.batch_size=0"])

@@ -91,8 +91,6 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
     generate once (greedy decoding: the same inputs give the same text; the HF batch size is not in the key
     because batched answers equal one-at-a-time answers). Only answers are cached: scores and leakage are
     computed from them on every call, so a changed scorer, `forbid` or leak rule needs no new answers."""
-    if r.eval.batch_size < 1:
-        raise UserError(f"recipe {r.name}: eval.batch_size must be at least 1 (got {r.eval.batch_size}).")
     leaks = leak_tests(sets)  # a bad leakage setting is refused before minutes of generation
     models = {"base": layout(r).base, "hf": layout(r).model, "gguf": layout(r).gguf}
     if not (models["hf"] / "config.json").exists():

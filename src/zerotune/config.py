@@ -360,6 +360,8 @@ def _validate(r: Recipe, where: str) -> None:
     if r.train.eval_steps < 0 or (r.train.eval_steps > 0 and r.data.eval_fraction == 0):
         raise RecipeError(f"{where}: train.eval_steps={r.train.eval_steps} needs a validation split: set "
                           f"data.eval_fraction > 0 (e.g. 0.02), or train.eval_steps: 0.")
+    if r.eval.batch_size < 1:
+        raise RecipeError(f"{where}: eval.batch_size={r.eval.batch_size}: must be at least 1 (prompts per generate call).")
     if len({s.name for s in r.eval.sets}) != len(r.eval.sets):
         raise RecipeError(f"{where}: eval.sets names must be unique.")
     if r.peft.method != "none":

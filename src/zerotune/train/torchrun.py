@@ -35,15 +35,9 @@ def run_torchrun(run_dir: Path, argv: list[str]) -> int:
         h.addFilter(unexpected)
     try:
         main(argv)
-    except ChildFailedError:
-        if run.stopped.exists():
-            return REQUEUE_EXIT
-        if read_handoff(run.train) is not None:
-            return EXIT_CODE
-        raise
-    except SignalException:
-        # another node's torchrun exited 75 first and srun --kill-on-bad-exit sent this one SIGTERM while its
-        # workers were stopping as asked (torch/distributed/launcher/api.py re-raises it): same ending, quietly
+    except (ChildFailedError, SignalException):
+        # SignalException: another node's torchrun exited 75 first and srun --kill-on-bad-exit sent this one
+        # SIGTERM while its workers were stopping as asked (torch/distributed/launcher/api.py re-raises it)
         if run.stopped.exists():
             return REQUEUE_EXIT
         if read_handoff(run.train) is not None:
