@@ -15,7 +15,7 @@ export HF_TOKEN_PATH ?= $(HOME)/.cache/huggingface/token
 endif
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup fetch data finetune quantize check eval serve plan demo lint test test-all test-fast bench bench-quant clean help gpu-check
+.PHONY: setup fetch data inspect finetune quantize check eval serve plan demo lint test test-all test-fast bench bench-quant clean help gpu-check
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
@@ -28,6 +28,9 @@ fetch: setup  ## download the recipe's hub model (safetensors, config, tokenizer
 
 data: setup  ## tokenize, label and pack the recipe's data once (cached by fingerprint)
 	$(ZT) data $(RECIPE) $(OVERRIDES)
+
+inspect: setup  ## print prepared sequences as training sees them, labels highlighted (ARGS="--n 4"); HTML in runs/<r>/inspect/
+	$(ZT) inspect $(RECIPE) $(OVERRIDES)
 
 plan: setup  ## memory, batch and time plan for the recipe's target cluster
 	$(ZT) plan $(RECIPE) $(OVERRIDES)
@@ -76,7 +79,9 @@ test-fast: setup  ## unit tests only (seconds)
 
 bench: setup  ## measured comparisons on this machine -> bench/results.md (+ results/*.json, *.png)
 	$(PY) bench/bench_data.py
+	$(PY) bench/bench_data_scale.py
 	$(PY) bench/bench_inference.py
+	$(PY) bench/bench_answers.py
 	ZEROTUNE_BENCH_RESULTS=bench/results $(PY) -m pytest -q tests/test_activation_memory.py
 	$(PY) -m pip install -q --no-deps --upgrade --target bench/work/trl-site -r bench/requirements-bench.txt
 	$(PY) bench/bench_train.py

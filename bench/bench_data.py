@@ -51,13 +51,14 @@ def make_words(rng: random.Random, n: int) -> list[str]:
     return ["".join(rng.choice(SYLLABLES) for _ in range(rng.choice((1, 1, 2, 2, 3)))) for _ in range(n)]
 
 
-def generate(path: Path, n: int, seed: int = 0) -> None:
+def generate(path: Path, n: int, seed: int = 0, shorter: float = 0.0) -> None:
+    """n conversations as JSONL; `shorter` lowers every message's log-normal length mean (bench_data_scale.py)."""
     rng = random.Random(seed)
     vocab = make_words(rng, 5000) + ["the", "a", "is", "of", "and", "to", "in", "that", "it", "for"] * 100
     punct = [".", ",", "?", "!", "", "", "", ""]
 
     def text(mu: float) -> str:
-        k = max(3, min(300, int(rng.lognormvariate(mu, 0.8))))
+        k = max(3, min(300, int(rng.lognormvariate(mu - shorter, 0.8))))
         return " ".join(rng.choice(vocab) + rng.choice(punct) for _ in range(k)).capitalize()
 
     with open(path, "w") as f:

@@ -159,7 +159,8 @@ def main() -> int:
     parts = [f"# `make bench` results\n\n{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} CPUs, "
              f"Python {platform.python_version()}. Ratios are measured side by side in one run; absolute numbers "
              "are context only.\n"]
-    for name, title in (("train", None), ("data", None), ("inference", "## Inference (SmolLM2-135M, same prompts)")):
+    for name, title in (("train", None), ("data", None), ("data_scale", None),
+                        ("inference", "## Inference (SmolLM2-135M, same prompts)"), ("answers", None)):
         md = RESULTS / f"{name}.md"
         if not md.exists():
             parts.append(f"## {name}\n\nnot run (bench/bench_{name}.py did not write {md.name})\n")

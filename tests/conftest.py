@@ -14,7 +14,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 REPO = Path(__file__).resolve().parents[1]
 # third-party lines zerotune silences at their source (src/zerotune/quiet.py, train/worker.py): none may come back
-NOISE = ["Traceback", "is deprecated", "Setting accelerator to CPU", "Gradient accumulation steps mismatch",
+NOISE = ["Traceback", "examples/s]", "is deprecated", "Setting accelerator to CPU", "Gradient accumulation steps mismatch",
          "n_ctx_train (0)", "built successfully", "OMP_NUM_THREADS", "gemm_4bit_forward", "{'loss'", "'train_runtime'",
          "Writing model shards", "clean_up_tokenization_spaces"]
 TOKENIZER_DIR = REPO / "assets" / "tokenizer" / "llama3_1"
@@ -115,6 +115,20 @@ def wait_for_step(proc, out: Path, step: int, committed: int | None = None) -> N
 
 
 TINY_STEPS = ["train.logging_steps=1", "train.max_steps=40"]
+# the resume tests' run: 10 steps, a committed checkpoint every 2, 2 kept (test_resume.py, test_slurm_cluster.py)
+RESUME_STEPS = 10
+RESUME_COMMON = ["train.logging_steps=1", f"train.max_steps={RESUME_STEPS}", "train.save_steps=2",
+                 "train.save_total_limit=2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_10(tmp_path_factory):
+    """tiny, RESUME_COMMON uninterrupted on 2 ZeRO-3 CPU ranks: the run every stopped-and-resumed run must equal,
+    locally (test_resume.py) and through sbatch (test_slurm_cluster.py). Shared: one training instead of two."""
+    out = tmp_path_factory.mktemp("reference")
+    _zt("data", "tiny", f"output_dir={out}")
+    _zt("finetune", "tiny", f"output_dir={out}", *RESUME_COMMON)
+    return out
 
 
 @pytest.fixture(scope="session")

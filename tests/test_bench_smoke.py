@@ -43,6 +43,20 @@ def test_bench_data_small(tmp_path):
 @pytest.mark.integration
 @pytest.mark.extended  # make bench runs this plumbing in full
 @pytest.mark.usefixtures("tokenizer_dir")
+def test_bench_data_scale_small(tmp_path):
+    _run(["bench/bench_data_scale.py", "--n", "3000", "--small", "300", "--seq-len", "2048", "--num-proc", "2",
+          "--out", str(tmp_path / "data_scale")])
+    res = json.loads((tmp_path / "data_scale.json").read_text())
+    small, full = res["runs"]["small"], res["runs"]["full"]
+    assert (small["rows"], small["docs"], full["rows"], full["docs"]) == (300, 300, 3000, 3000)
+    assert full["peak_main_anon_mb"] > 0 and full["peak_workers_anon_mb"] > 0 and len(full["main_anon_timeline_mb"]) == 4
+    assert full["workers_cpu_s"] > 0 and res["rows_per_s_bound_by_main"] > 0
+    assert "| all | 3,000 |" in (tmp_path / "data_scale.md").read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.extended  # make bench runs this plumbing in full
+@pytest.mark.usefixtures("tokenizer_dir")
 def test_bench_inference_small(tmp_path):
     _run(["bench/bench_inference.py", "--model", str(tmp_path / "none"), "--prompt-tokens", "32", "--new-tokens",
           "8", "--repeats", "2", "--prefills", "2", "--decodes", "1", "--out", str(tmp_path)])
@@ -77,6 +91,16 @@ def test_bench_train_small(tmp_path):
         assert 0 < m["of_matmul_limit_cpu_s"] < 1.5, m  # model FLOPs cannot much exceed the measured matmul rate
     assert res["setup"]["recipe_train_section"]["lr"] == 1e-4  # the baselines' hyper-parameters: the recipe's
     assert "of the matmul limit" in (tmp_path / "train.md").read_text()
+
+
+@pytest.mark.integration
+@pytest.mark.extended  # make bench runs it in full; CI checks batched == one at a time in test_answering.py
+def test_bench_answers_small(tmp_path):
+    _run(["bench/bench_answers.py", "--prompts", "3", "--new-tokens", "4", "--batch", "3", "--repeats", "1",
+          "--out", str(tmp_path / "answers")])
+    res = json.loads((tmp_path / "answers.json").read_text())
+    assert res["identical_answers"] is True and len(res["speedup"]["cpu_s"]["per_repeat"]) == 1
+    assert "per CPU-second" in (tmp_path / "answers.md").read_text()
 
 
 def test_history_compares_runs_of_the_same_settings_only(tmp_path):

@@ -93,7 +93,8 @@ def test_check_writes_leakage_and_fails_past_max_leakage(tmp_path, monkeypatch, 
     monkeypatch.setattr(ck, "heldout_documents", lambda r, limit: [])
     monkeypatch.setattr(ck, "logit_agreement", lambda llm, model_dir, docs: {
         "documents": 0, "positions": 0, "mean_kl": None, "top1_agreement": 1.0, "label_positions": 0,
-        "top1_agreement_labels": None, "ppl_ratio": 1.0})
+        "top1_agreement_labels": None, "top1_near_tie_agreement": 1.0, "top1_near_tie_agreement_labels": None,
+        "tie_nats": 0.1, "ppl_ratio": 1.0})
     monkeypatch.setattr(ck, "speed", lambda llm: {"prompt_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0})
     assert ck.check(r) == 1
     res = json.loads((tmp_path / "run" / "check" / "check.json").read_text())

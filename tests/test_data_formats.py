@@ -107,10 +107,10 @@ def test_batch_equals_single_and_renderer_equals_template(tokenizer):
     render = ChatRenderer(tokenizer)
     for gen in (False, True):
         assert render(CHAT[:3], gen) == tokenizer.apply_chat_template(CHAT[:3], tokenize=False, add_generation_prompt=gen)
-    items = [("a", CHAT, "all_assistant"), ("b", CHAT, "last_assistant"), ("c", "Some text.", "all_assistant"),
-             ("d", CHAT[1:3], "all_assistant")]
+    items = [("a", CHAT, "all_assistant", None), ("b", CHAT, "last_assistant", None),
+             ("c", "Some text.", "all_assistant", None), ("d", CHAT[1:3], "all_assistant", None)]
     batch = encode_batch(tokenizer, render, items)
-    for (where, conv, loss_on), (ids, labels) in zip(items, batch):
+    for (where, conv, loss_on, _), (ids, labels) in zip(items, batch):
         ref = encode_text(tokenizer, conv) if isinstance(conv, str) else encode_chat(tokenizer, conv, loss_on, where)
         assert (ids.tolist(), labels.tolist()) == ref
 
@@ -130,7 +130,8 @@ def test_assistant_content_with_leading_newline_still_matches_template(tokenizer
     ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}]}, "messages", {},
      "no assistant turn", "add an assistant reply"),
     ({"messages": []}, "messages", {}, "non-empty list", ""),
-    ({"messages": [{"from": "human", "value": "a"}]}, "messages", {}, "'role' and 'content'", "ShareGPT"),
+    ({"messages": [{"role": "user", "content": "a"}, {"from": "gpt", "value": "b"}]}, "messages", {},
+     "message 1 must be an object with 'role' and 'content'", "columns: {role: <your key>"),
     ({"conversations": [{"role": "user", "content": "a"}]}, "messages", {}, "missing field 'messages'",
      "columns: {messages: conversations}"),
     ({"instruction": "i", "response": "o"}, "instruction", {}, "missing field 'output'", "columns: {output: response}"),

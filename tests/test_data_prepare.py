@@ -351,3 +351,34 @@ def test_cli_progress_and_histogram(tmp_path, tokenizer_dir, chat_file):
     prepare(r)  # default: histogram written
     assert (layout(r).data / "lengths.png").stat().st_size > 1000
     assert (layout(r).data / "recipe.resolved.yaml").exists()
+
+
+# ---- every key accounted for, per source -----------------------------------------------------------
+
+def test_ignored_keys_and_detected_sharegpt_in_manifest_and_log(tmp_path, tokenizer_dir, tokenizer, capsys):
+    plain = [{**convo(i), "id": i} for i in range(3)]
+    plain[0]["messages"][0]["name"] = "ann"
+    plain[1]["messages"][1]["weight"] = 0
+    plain[1]["messages"].append({"role": "user", "content": "again"})
+    plain[1]["messages"].append({"role": "assistant", "content": "You said again", "weight": 1})
+    share = [{"conversations": [{"from": "human", "value": m["messages"][0]["content"]},
+                                {"from": "gpt", "value": m["messages"][1]["content"], "score": 5}],
+              "source": "web"} for m in (convo(10), convo(11))]
+    a, b = write_jsonl(tmp_path / "a.jsonl", plain), write_jsonl(tmp_path / "b.jsonl", share)
+    r = recipe(tmp_path, tokenizer_dir, [str(a), str(b)], packing=False)
+    m = run(r)
+    log = capsys.readouterr().out
+    sa, sb = m["sources"]
+    assert sa["ignored_keys"] == {"rows": {"id": 3}, "messages": {"name": 1}} and sa["detected_sharegpt"] == 0
+    assert sa["assistant_turns_weight_0"] == 1 and (sa["docs"], sa["bad_skipped"]) == (3, 0)
+    assert sb["ignored_keys"] == {"rows": {"source": 2}, "messages": {"score": 2}} and sb["detected_sharegpt"] == 2
+    assert f"data: {a}: ignored keys: id (3 rows), name (1 messages)" in log
+    assert f"data: {b}: 2 rows are ShareGPT ({{from, value}} messages) under format messages: read as format " \
+           "sharegpt" in log and f"data: {b}: ignored keys: source (2 rows), score (2 messages)" in log
+    # the weight-0 turn is in the text, without labels; the detected rows train exactly as {role, content} rows
+    rows = rows_of(r)
+    labels = [x for x in rows["labels"][1] if x != IGNORE]
+    assert tokenizer.decode(labels) == "You said again<|eot_id|>"
+    assert plain[1]["messages"][1]["content"] + "<|eot_id|>" in tokenizer.decode(rows["input_ids"][1])
+    assert rows["input_ids"][3:] == [encode_chat(tokenizer, convo(i)["messages"], "all_assistant", "t")[0]
+                                     for i in (10, 11)]

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from zerotune.config import RECIPES_DIR, load_recipe
-from zerotune.plan import PlanError, compute_plan, dry_run, preflight
+from zerotune.plan import PlanError, compute_plan, dry_run, format_plan, preflight
 
 MODEL_STATES = "model states (DeepSpeed estimator)"
 
@@ -130,3 +130,103 @@ def test_the_plan_books_the_steps_the_worker_trains(tmp_path, packing):
     data = compute_plan(r, gpu="cpu", gpus_per_node=2, nodes=1)["data"]
     per_rank = math.ceil(n / 2)  # micro-batch 1, world 2
     assert data["train_sequences"] == n and data["total_steps"] == total_steps(n, bp, r) == 2 * math.ceil(per_rank / 2)
+
+
+# --- self-distilled replay: the data step's answering (planner/phases.py replay_plan) --------------------------
+
+REPLAY = ["data.replay.path=data/general/prompts.jsonl"]
+
+
+def test_8b_replay_fits_one_v100_and_takes_minutes(plan8b):
+    from zerotune.planner.phases import REPLAY_DECODE_EFFICIENCY
+
+    assert plan8b["replay"] is None  # no data.replay: nothing to plan
+    rp = compute_plan(load_recipe("llama8b_zero3", REPLAY))["replay"]
+    assert (rp["prompts"], rp["batch_size"], rp["max_new_tokens"], rp["precision"]) == (320, 8, 128, "fp16")
+    # the longest prompt of the shipped file has 162 bytes of content; + the template bound, 40 + 8 per message
+    assert rp["prompt_tokens_bound"] == 162 + 40 + 8
+    # the whole model in fp16 on one GPU (not ZeRO-partitioned) against what PyTorch reports usable on a V100
+    assert rp["parts"]["weights (16-bit, whole model, one device)"] == 2 * 8_030_261_248
+    assert rp["capacity_bytes"] == int(31.75 * 2**30) and rp["fits"] and rp["peak_bytes"] < 18 * 2**30
+    assert rp["peak_bytes"] == sum(rp["parts"].values()) and rp["largest_batch_that_fits"] is None
+    # 40 batches x 128 steps, each reading 16 GB at 900 GB/s x the assumed efficiency (+ the cache, + prefill)
+    floor = 40 * 128 * 2 * 8_030_261_248 / (900e9 * REPLAY_DECODE_EFFICIENCY)
+    assert rp["memory_bound"] and floor < rp["seconds"] < 1.25 * floor
+    assert rp["generated_tokens_max"] == 320 * 128
+    text = format_plan(compute_plan(load_recipe("llama8b_zero3", REPLAY)))
+    assert "replay (data step, before training, one GPU): the base model answers 320 prompts" in text
+    assert "fits" in text and "memory-bound" in text
+    # data.replay.limit: the first N prompts only
+    assert compute_plan(load_recipe("llama8b_zero3", [*REPLAY, "data.replay.limit=10"]))["replay"]["prompts"] == 10
+
+
+def test_replay_batch_too_large_is_reported_not_refused():
+    r = load_recipe("llama8b_zero3", [*REPLAY, "eval.batch_size=512"])
+    p = compute_plan(r)
+    rp = p["replay"]
+    # 320 rows at once (never more rows than prompts): the prompts' KV cache and the prefill's MLP outgrow 32 GB
+    assert rp["rows"] == 320 and not rp["fits"] and rp["peak_bytes"] > rp["capacity_bytes"]
+    largest = rp["largest_batch_that_fits"]
+    assert 8 < largest < 320
+    assert compute_plan(load_recipe("llama8b_zero3", [*REPLAY, f"eval.batch_size={largest}"]))["replay"]["fits"]
+    assert not compute_plan(load_recipe("llama8b_zero3", [*REPLAY, f"eval.batch_size={largest + 1}"]))["replay"]["fits"]
+    text = format_plan(p)
+    assert "DOES NOT FIT" in text and f"fix: lower eval.batch_size (eval.batch_size={largest} fits)" in text
+    # answering ran in the data step, before finetune: it is no reason to refuse the training job
+    assert preflight(r)["replay"]["fits"] is False
+
+
+def test_replay_on_a_cpu_target_is_host_ram_without_a_time():
+    rp = compute_plan(load_recipe("llama8b_zero3", [*REPLAY, "plan.gpu=cpu"]))["replay"]
+    assert rp["precision"] == "fp32" and rp["limit"] == "host" and rp["seconds"] is None
+    assert rp["parts"]["weights (32-bit, whole model, one device)"] == 4 * 8_030_261_248
+    assert rp["capacity_bytes"] == int(384e9)  # one process: the node's RAM, not a rank's share
+
+
+def test_replay_with_a_missing_prompt_file_is_reported(tmp_path):
+    p = compute_plan(load_recipe("llama8b_zero3", [f"data.replay.path={tmp_path / 'none.jsonl'}"]))
+    assert "not found" in p["replay"]["error"]
+    assert "replay (data step): not planned:" in format_plan(p)
+
+
+SMOLLM2_DIR = RECIPES_DIR.parent / "assets" / "models" / "smollm2-135m-instruct"
+# Content a chat prompt can carry: accents, CJK, emoji (4 UTF-8 bytes each), runs of spaces and newlines, digits,
+# zero-width characters, a special token typed as text
+ODD = ["naïve café, crème brûlée", "東京タワーはどこですか？", "🚀🚀🚀 launch 🌍", "    lots   of   spaces\n\n\n  and\ttabs",
+       "1234567890" * 8, "\u200b\u200bzero\u200bwidth", "مرحبا بالعالم", "<|eot_id|> typed <|im_end|> by a user", "a"]
+
+
+def test_replay_prompt_bound_holds_for_the_llama31_and_smollm2_templates(tokenizer):
+    """Byte-level BPE never gives more tokens than UTF-8 bytes, and the template overhead fits the stated bound
+    (plan.REPLAY_TEMPLATE_TOKENS + REPLAY_TOKENS_PER_MESSAGE per message), for the real Llama-3.1 tokenizer and
+    SmolLM2's, on the shipped prompts and on odd content."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from zerotune.plan import REPLAY_TEMPLATE_TOKENS, REPLAY_TOKENS_PER_MESSAGE, replay_prompt_bound
+
+    if not (SMOLLM2_DIR / "tokenizer.json").exists():
+        pytest.fail(f"{SMOLLM2_DIR} missing: run `make setup`")
+    shipped = [json.loads(line) for line in (RECIPES_DIR.parent / "data" / "general" / "prompts.jsonl")
+               .read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = shipped + [{"messages": [{"role": "user", "content": c}]} for c in ODD] + [
+        {"messages": [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": ODD[1]}]}]
+    for tok in (tokenizer, AutoTokenizer.from_pretrained(str(SMOLLM2_DIR))):
+        for row in rows:
+            for msg in row["messages"]:
+                assert len(tok.encode(msg["content"], add_special_tokens=False)) <= len(msg["content"].encode())
+            ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"]
+            assert len(ids) <= replay_prompt_bound([row]), (tok.name_or_path, row)
+    # Llama 3.1-Instruct's own template (the hub's; the tokenizer shipped here carries Llama 3's) opens with a
+    # system block holding the knowledge cutoff and a date even without a system message; rendered as it renders
+    # one user turn without tools
+    header = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\n"
+              "Today Date: 26 Jul 2024\n\n<|eot_id|>")
+    assert len(tokenizer.encode(header, add_special_tokens=False)) == 26
+    for row in rows[:20] + rows[-len(ODD) - 1:-1]:
+        text = (header + f"<|start_header_id|>user<|end_header_id|>\n\n{row['messages'][-1]['content'].strip()}"
+                "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert len(tokenizer.encode(text, add_special_tokens=False)) <= replay_prompt_bound([row])
+    assert 26 + 4 + 5 <= REPLAY_TEMPLATE_TOKENS + REPLAY_TOKENS_PER_MESSAGE

@@ -15,7 +15,8 @@ from zerotune.config import load_recipe
 from zerotune.planner import calibration
 from zerotune.planner.disk import disk_events
 from zerotune.planner.memory import GiB, ModelShape, memory_breakdown, prefetched_batches_bytes
-from zerotune.planner.phases import eval_loss_bytes, nograd_layer_bytes, phase_plan, quantize_host_bytes
+from zerotune.planner.phases import (REPLAY_DECODE_EFFICIENCY, eval_loss_bytes, generation_parts, nograd_layer_bytes,
+                                     phase_plan, quantize_host_bytes, replay_plan)
 from zerotune.plan import PlanError, compute_plan, disk_preflight, format_plan, preflight
 
 # hidden 64, 4 heads of 16 (q 64), 2 KV heads (kv 32), intermediate 128, vocab 256
@@ -74,12 +75,89 @@ def test_nograd_layer_by_hand():
                             "mlp": 1024 + 3 * 2 * 8 * 128 + 1024}       # gate, up, product
     assert hf["peak"] == 8192
     # a packed mask: k, v repeated to 4 heads (2 x 1024) + the 8 x 8 mask in fp16 + output and its copy
-    masked = nograd_layer_bytes(SMALL, 8, 2, mask_rows=8, liger=False)
+    masked = nograd_layer_bytes(SMALL, 8, 2, mask=(1, 8, 8), liger=False)
     assert masked["blocks"]["attention"] == 1024 + 2048 + (2048 + 2048 + 2 * 8 * 8) == 7296
     assert masked["peak"] == 8192  # still the MLP block
+    # on a GPU the memory-efficient kernel pads the float mask to aligned columns: 8 -> 16, a second copy
+    assert nograd_layer_bytes(SMALL, 8, 2, mask=(1, 8, 8), liger=False, on_gpu=True)["blocks"]["attention"] == (
+        7296 + 2 * 8 * 16)
+    assert nograd_layer_bytes(SMALL, 16, 2, mask=(1, 16, 16), liger=False, on_gpu=True)["blocks"]["attention"] == (
+        nograd_layer_bytes(SMALL, 16, 2, mask=(1, 16, 16), liger=False)["blocks"]["attention"])  # aligned: no pad
     lg = nograd_layer_bytes(SMALL, 8, 2, liger=True)
     assert lg["blocks"]["norm"] == 1024 + 4 * 8 + 1024  # output + 1/rms, beside the post-attention sum
     assert lg["blocks"]["attention"] == 1024 + 2048 + max(2 * 8 * (64 + 32), 2 * 2 * 8 * 64) == 5120
+
+
+def test_generation_layer_terms_by_hand():
+    # left-padded prefill of 3 rows x 5 tokens (T = 15), e = 2, with a KV cache: k and v are in the cache by the time
+    # SDPA runs, so the block is the normed input + max(q, k, v + RoPE's temporaries, q + SDPA's tensors)
+    T, e = 15, 2
+    rope = e * T * max(3 * 64, 64 + 3 * 32)
+    sdpa = 2 * e * T * 64 + 2 * e * 3 * 5 * 64 + e * 3 * 5 * 5  # output + copy, repeated k, v, the (3, 1, 5, 5) mask
+    cpu = nograd_layer_bytes(SMALL, T, e, mask=(3, 5, 5), liger=False, cached=True)
+    assert cpu["blocks"]["attention"] == e * T * 64 + max(e * T * 128 + rope, e * T * 64 + sdpa) == 11670
+    gpu = nograd_layer_bytes(SMALL, T, e, mask=(3, 5, 5), liger=False, cached=True, on_gpu=True)
+    assert gpu["blocks"]["attention"] == e * T * 64 + e * T * 64 + sdpa + e * 3 * 5 * 16  # + the padded copy
+    # a decode step (one token per row over a cache of 12): the query is regrouped, not k and v repeated
+    step = nograd_layer_bytes(SMALL, 3, e, mask=(3, 1, 12), liger=False, cached=True)
+    assert step["blocks"]["attention"] == e * 3 * 64 + max(e * 3 * 128 + e * 3 * 192, e * 3 * 64 + 2 * e * 3 * 64
+                                                            + e * 3 * 12)
+    # as many KV heads as query heads: repeat_kv returns k itself, no copy (Liger's RoPE, so that SDPA leads)
+    mha = ModelShape(**{**SMALL.__dict__, "kv_heads": 4})
+    assert (nograd_layer_bytes(mha, 8, 2, mask=(1, 8, 8), liger=True)["blocks"]["attention"]
+            == 1024 + 2 * 8 * 192 + (2048 + 2 * 8 * 8))
+
+
+def test_generation_parts_by_hand():
+    # 3 left-padded rows of 8 tokens, 4 new tokens, e = 2: KV 2 layers x K, V x 32 x 2 B = 256 B per token
+    prefill, decode = generation_parts(SMALL, rows=3, prompt=8, new_tokens=4, e=2, liger=False, padded=True,
+                                       on_gpu=False)
+    assert prefill["KV cache (prompt)"] == 256 * 24
+    assert prefill["token tensors (prompt ids + mask, position ids, ids copy)"] == 4 * 8 * 24
+    assert prefill["attention mask (bool, rows x prompt x prompt)"] == 3 * 8 * 8
+    assert prefill["rotary cos/sin"] == 2 * 24 * 16 * 2  # per row: generate's position ids are (rows, prompt)
+    assert prefill["one layer, no grad (mlp block)"] == 2 * 24 * 64 + 3 * 2 * 24 * 128 + 2 * 24 * 64
+    # decode: the cache at prompt + new - 1 = 11; the previous step's fp32 logits beside the last step's forward,
+    # which here outweighs the step's logits and their copy (a 256-token vocabulary)
+    assert decode["KV cache (prompt + answer)"] == 256 * 3 * 11
+    assert decode["previous step's fp32 logits"] == 4 * 3 * 256
+    assert decode["token tensors (prompt's, running ids, masks, positions)"] == 3 * 8 * 24 + 4 * 8 * 3 * 12
+    assert decode["decode step: cache concat (one layer)"] == 32 * 2 * 3 * 11
+    assert decode["decode step: attention mask (bool, rows x cache)"] == 3 * 11
+    # a large vocabulary: the step's logits + their fp32 copy (copy=True) outweigh the step's forward
+    big = ModelShape(**{**SMALL.__dict__, "vocab": 128_256})
+    _, decode = generation_parts(big, rows=3, prompt=8, new_tokens=4, e=2, liger=False, padded=True, on_gpu=False)
+    assert decode["last-token logits + fp32 copy"] == 3 * 128_256 * (2 + 4)
+    # one unpadded row (in-training samples): no mask anywhere, and generate() drops the all-ones mask
+    prefill, decode = generation_parts(SMALL, rows=1, prompt=8, new_tokens=4, e=2, liger=False, padded=False,
+                                       on_gpu=False)
+    assert "attention mask (bool, rows x prompt x prompt)" not in prefill
+    assert not any(k.startswith("decode step: attention mask") for k in decode)
+    assert decode["token tensors (prompt's, running ids, masks, positions)"] == 3 * 8 * 8 + 2 * 8 * 12
+
+
+def test_replay_plan_by_hand():
+    # 7 prompts, 3 per batch: 3 batches of (at most) 3 rows x 8 tokens; SMALL in fp16 on a GPU
+    kw = dict(prompts=7, batch=3, prompt_tokens=8, max_new_tokens=4, e=2, on_gpu=True, capacity=GiB)
+    p = replay_plan(SMALL, **kw)
+    prefill, decode = generation_parts(SMALL, rows=3, prompt=8, new_tokens=4, e=2, liger=False, padded=True,
+                                       on_gpu=True)
+    assert sum(prefill.values()) > sum(decode.values())
+    assert p["parts"]["weights (16-bit, whole model, one device)"] == 2 * SMALL.n_params
+    assert p["peak_bytes"] == with_overheads(2 * SMALL.n_params + sum(prefill.values()))  # one process: no NCCL
+    assert (p["rows"], p["batches"], p["generated_tokens_max"], p["seconds"]) == (3, 3, 28, None)  # no bandwidth
+    assert not replay_plan(SMALL, **{**kw, "capacity": 2 * SMALL.n_params})["fits"]
+    # memory-bound: each of the 4 weight reads per batch also reads the cache of 3 rows x (8 + t) tokens, at 60%
+    # of 100 GB/s; prefill 2 x params x 3 x 8 FLOPs at 1 TFLOPS x 0.5
+    t = replay_plan(SMALL, **kw, bandwidth_gbs=100.0, peak_tflops=1.0, mfu=0.5)
+    reads = sum(2 * SMALL.n_params + 256 * 3 * (8 + i) for i in range(4)) / (100e9 * REPLAY_DECODE_EFFICIENCY)
+    prefill_s = 2 * SMALL.n_params * 3 * 8 / 0.5e12
+    assert t["memory_bound"] and t["seconds"] == pytest.approx(3 * (reads + prefill_s))
+    # compute-bound when the FLOPs of a step outlast its reads: 2 x params x rows per step
+    c = replay_plan(SMALL, **kw, bandwidth_gbs=1e6, peak_tflops=1e-3, mfu=0.5)
+    assert not c["memory_bound"] and c["decode_s"] == pytest.approx(3 * 4 * 2 * SMALL.n_params * 3 / 0.5e9)
+    # a single prompt: one row, no padding (nothing to pad against)
+    assert replay_plan(SMALL, **{**kw, "prompts": 1})["rows"] == 1
 
 
 def test_eval_loss_by_hand():
@@ -126,10 +204,10 @@ def test_small_phases_by_hand():
     # outweighs the largest layer block (1024 + 7296 with the mask)
     val = states + batches + 3 * 8 * 8 + 64 + 512 + (1024 + 20616)
     assert ph["validation"]["peak_bytes"] == with_overheads(val)
-    # samples: prefill of an 8-token prompt: KV 2 layers x 2 x 32 x 2 B x 8 + ids and mask + cos/sin + the MLP
-    # block over the residual stream (two copies from layer 1 on: inputs_embeds and the layer's input; no mask:
-    # is_causal) beats the decode's cache of 12 tokens
-    samples = states + batches + 2 * 2 * 32 * 2 * 8 + 2 * 8 * 8 + 512 + (2 * 1024 + 8192)
+    # samples: prefill of an 8-token prompt: KV 2 layers x 2 x 32 x 2 B x 8 + ids and mask, generate's position ids
+    # and ids copy + cos/sin + the MLP block over the residual stream (two copies from layer 1 on: inputs_embeds and
+    # the layer's input; no mask: is_causal) beats the decode's cache of 11 tokens
+    samples = states + batches + 2 * 2 * 32 * 2 * 8 + 4 * 8 * 8 + 512 + (2 * 1024 + 8192)
     assert ph["samples"]["peak_bytes"] == with_overheads(samples)
     assert ph["save"]["peak_bytes"] == with_overheads(states + batches)
     # resume: Adam m, v loaded beside the live ones; before the first step, no batches

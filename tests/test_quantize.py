@@ -42,6 +42,8 @@ def test_real_q8_0_passes_and_every_matrix_is_q8_0(tiny_gguf, tiny_model_dir):
 def test_hf_and_gguf_token_ids_identical(tiny_gguf, tiny_model_dir):
     parity = tokenizer_parity(tiny_gguf, tiny_model_dir)
     assert parity["mismatches"] == [] and parity["chat_mismatches"] == []
+    # the shipped Llama-3.1 tokenizer's template is Llama-3's plain one: no tool conversation to compare
+    assert not parity["tool_chat_compared"] and parity["tool_chat"].startswith("none (the template does not render")
     assert parity["eot_is_eog"] and parity["gguf_eos_token"] == "<|eot_id|>"
     assert parity["eog_not_special"] == []
     assert len(PROBE_TEXTS) >= 8
@@ -134,3 +136,48 @@ def test_quantize_k_quant_end_to_end(tiny_model_dir, tmp_path):
     assert all(t.type_name not in ("F16", "F32", "BF16") for t in matrices)
     assert len(m["checks"]["k_quant_fallbacks"]) == len(matrices)  # none of the rows is a 256-multiple
     assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, "manifest.json", "recipe.resolved.yaml"])
+
+
+# Llama-3-style headers with tools, tool calls (as {"name", "parameters"} JSON) and tool replies (ipython turns):
+# the shape of Llama-3.1-Instruct's own template, which the shipped tokenizer lacks
+LLAMA_TOOLS_TEMPLATE = """\
+{{- bos_token }}
+{%- if tools %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\nYou may call these functions:\\n' }}
+{%- for t in tools %}{{- (t | tojson) + '\\n' }}{%- endfor %}
+{{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+{{- '<|start_header_id|>' + ('ipython' if message.role == 'tool' else message.role) + '<|end_header_id|>\\n\\n' }}
+{%- if message.tool_calls is defined %}
+{%- for call in message.tool_calls %}{{- {'name': call.function.name, 'parameters': call.function.arguments} | tojson }}{%- endfor %}
+{%- else %}{{- message.content | trim }}{%- endif %}
+{{- '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
+"""
+
+
+def test_tool_conversation_token_ids_identical_and_a_difference_caught(tiny_model_dir, tmp_path):
+    """A template that renders tools: llama-cpp-python's prompt for a tool conversation (tools, an assistant tool
+    call, the tool's reply) must have HF's token ids. A vocab-only GGUF carries the template; then HF's template is
+    changed in the tool call alone, and the check must see it."""
+    import subprocess
+    import sys
+
+    from zerotune.gguf_checks import PROBE_TOOL_CHAT
+    from zerotune.quantize import CONVERTER
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model", ignore=shutil.ignore_patterns("*.safetensors"))
+    (model / "chat_template.jinja").write_text(LLAMA_TOOLS_TEMPLATE)
+    gguf = tmp_path / "vocab.gguf"
+    subprocess.run([sys.executable, str(CONVERTER), str(model), "--vocab-only", "--outfile", str(gguf)], check=True,
+                   capture_output=True)
+    parity = tokenizer_parity(gguf, model)
+    assert parity["tool_chat_compared"] and parity["tool_chat"] == "tools and a tool call and its reply"
+    assert parity["chat_mismatches"] == [] and parity["mismatches"] == []
+
+    (model / "chat_template.jinja").write_text(LLAMA_TOOLS_TEMPLATE.replace("'parameters'", "'arguments'"))
+    parity = tokenizer_parity(gguf, model)
+    assert [m["messages"] for m in parity["chat_mismatches"]] == [PROBE_TOOL_CHAT]
+    assert '"parameters": {"city": "Paris"}' in parity["chat_mismatches"][0]["gguf"]

@@ -14,19 +14,16 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, start_train, wait_for_step, workers_of, zt
+from conftest import RESUME_COMMON as COMMON
+from conftest import RESUME_STEPS as STEPS
 from conftest import read_metrics as metrics
 
 pytestmark = pytest.mark.integration
-STEPS = 10
-COMMON = ["train.logging_steps=1", f"train.max_steps={STEPS}", "train.save_steps=2", "train.save_total_limit=2"]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    zt("data", "tiny", f"output_dir={out}")
-    zt("finetune", "tiny", f"output_dir={out}", *COMMON)
-    return out
+def reference(tiny_reference_10):
+    return tiny_reference_10  # conftest: shared with the SLURM tests
 
 
 def fresh(reference: Path, out: Path, *parts: str) -> Path:

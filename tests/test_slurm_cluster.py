@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import RESUME_COMMON, RESUME_STEPS
 from slurm_cluster import REPO, start_cluster, wait_until
 
 pytestmark = pytest.mark.integration
-STEPS = 8
-COMMON = ["train.logging_steps=1", f"train.max_steps={STEPS}", "train.save_steps=2"]
+STEPS, COMMON = RESUME_STEPS, RESUME_COMMON  # the uninterrupted reference is conftest's tiny_reference_10
 NODES = ["--nodes=2", "--time=30"]  # a time limit, so the deadline path is wired (30 min: never reached here)
 
 
@@ -61,14 +61,13 @@ def prepared(slurm, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(prepared, tmp_path_factory) -> Path:
-    """The same run uninterrupted, by `zerotune finetune` on one machine (2 CPU processes: the same world size)."""
-    out = tmp_path_factory.mktemp("slurm_reference")
-    shutil.copytree(prepared / "data", out / "data")
-    p = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny", f"output_dir={out}", *COMMON,
-                        "train.cpu_procs=2"], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return out
+def reference(prepared, tiny_reference_10) -> Path:
+    """The same run uninterrupted, by `zerotune finetune` on one machine (2 CPU processes: the same world size),
+    on data prepared by `zerotune data` rather than this cluster's prepare job: the same fingerprint, or the
+    comparison would compare different data."""
+    fp = [json.loads((d / "data" / "manifest.json").read_text())["fingerprint"] for d in (prepared, tiny_reference_10)]
+    assert fp[0] == fp[1], fp
+    return tiny_reference_10
 
 
 def test_time_limit_warning_commits_requeues_resumes_and_quantizes(slurm, prepared, reference):

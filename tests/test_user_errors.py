@@ -128,6 +128,11 @@ def test_serve_without_a_gguf(tmp_path, capfd):
     assert_one_message(rc, err, str(tmp_path / "gguf"), "make quantize RECIPE=tiny")
 
 
+def test_serve_limits_out_of_range(tmp_path, capfd):
+    rc, _, err = run_main(capfd, "serve", "tiny", f"output_dir={tmp_path}", "serve.max_queue=-1")
+    assert_one_message(rc, err, "serve.max_queue=-1", "max_queue at least 0")
+
+
 def test_unknown_plan_gpu_is_a_user_error(tmp_path, capfd):
     rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path}", "plan.gpu=v101")
     assert_one_message(rc, err, "plan.gpu: 'v101' is not one of ['v100-32gb', 't4', 'a100-80gb', 'h100-80gb', 'cpu']")

@@ -158,16 +158,17 @@ def _done(v: dict) -> None:
     print(f" {v['seconds']:.0f}s", flush=True)
 
 
-def load_hf(model_dir: Path):
+def load_hf(model_dir: Path, tokenizer: Path | str | None = None, device: str = "cpu", dtype=None):
     """(model, tokenizer, stop ids) for greedy chat answers: generation stops where the chat template ends an
-    assistant turn (<|eot_id|> for Llama 3, <|im_end|> for ChatML) and at every HF end token."""
+    assistant turn (<|eot_id|> for Llama 3, <|im_end|> for ChatML) and at every HF end token. `tokenizer`: the
+    one whose chat template the answers are for (default: the model folder's); `dtype` default fp32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .gguf_checks import hf_end_tokens
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer or model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or torch.float32).to(device)
     model.eval()
     ends = hf_end_tokens(tok, model_dir)
     stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
@@ -175,31 +176,42 @@ def load_hf(model_dir: Path):
 
 
 def hf_generate(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int, batch_size: int = 8) -> list[str]:
-    """Greedy chat answers, `batch_size` prompts per generate() call (one decode step then serves them all:
-    on 2 CPU cores 8 prompts cost little more than one). Each prompt is tokenized alone, exactly as a batch of
-    one would be, then left-padded, so every row's last prompt token sits at the same column and the new
-    tokens line up. generate() derives position ids from the attention mask (cumsum - 1), so a padded row
-    sees the positions it would see alone. Prompts are grouped longest first, so a batch pads little."""
+    """Greedy chat answers (hf_answers without the finish flags)."""
+    return [text for text, _ in hf_answers(model, tok, stop, rows, max_new_tokens, batch_size)]
+
+
+def hf_answers(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int, batch_size: int = 8,
+               progress: str | None = None) -> list[tuple[str, bool]]:
+    """(answer, finished) per row: greedy chat answers, `batch_size` prompts per generate() call (one decode step
+    then serves them all: on 2 CPU cores 8 prompts cost little more than one); finished = it ended with a stop
+    token, not at max_new_tokens. Each prompt is tokenized alone, exactly as a batch of one would be, then
+    left-padded, so every row's last prompt token sits at the same column and the new tokens line up.
+    generate() derives position ids from the attention mask (cumsum - 1), so a padded row sees the positions it
+    would see alone. Prompts are grouped longest first, so a batch pads little. `progress`: a bar's label."""
     import torch
+    from tqdm import tqdm
 
     prompts = [list(tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
                                             return_dict=True)["input_ids"]) for row in rows]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # Llama 3 ships without one
     pad = stop[0] if pad is None else pad
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    out: list[str] = [""] * len(prompts)
-    with torch.no_grad():
+    out: list[tuple[str, bool]] = [("", False)] * len(prompts)
+    device = getattr(model, "device", "cpu")
+    with torch.no_grad(), tqdm(total=len(prompts), desc=progress, unit="prompt", mininterval=5,
+                               disable=None if progress else True) as bar:
         for b in range(0, len(order), batch_size):
             idx = order[b:b + batch_size]
             width = max(len(prompts[i]) for i in idx)
-            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx])
-            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx])
+            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx], device=device)
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device=device)
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                                  eos_token_id=stop, pad_token_id=stop[0], temperature=None, top_p=None, top_k=None)
             for i, new in zip(idx, gen[:, width:].tolist()):
                 # a row that stopped early is filled with pad_token_id (a stop id) while the others go on
-                end = next((k + 1 for k, t in enumerate(new) if t in stop), len(new))
-                out[i] = tok.decode(new[:end], skip_special_tokens=True).strip()
+                end = next((k + 1 for k, t in enumerate(new) if t in stop), None)
+                out[i] = (tok.decode(new[:end], skip_special_tokens=True).strip(), end is not None)
+            bar.update(len(idx))
     return out
 
 

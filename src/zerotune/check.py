@@ -33,9 +33,12 @@ from .hardware import GPUS, kv_bytes_per_token, llama_cpp_fit
 from .layout import layout
 from .quant_types import quant_type
 
-# A GGUF argmax that HF rates within this many nats of its own top token counts as a near-tie agreement. On
-# a random-init model (near-flat distributions, median top-1/top-2 margin ~0.1 nats) Q8_0 noise flips ~10%
-# of argmaxes between such near-ties while mean KL stays ~2e-4; a trained model's margins are far larger.
+# A GGUF argmax that HF rates within this many nats of its own top token counts as a near-tie agreement, and
+# the top-1 gate counts it as agreeing: a flip between near-tied tokens is rounding, not a broken tensor. On a
+# random-init model (near-flat distributions, median top-1/top-2 margin ~0.1 nats) Q8_0 noise flips ~10% of
+# argmaxes between such near-ties while mean KL stays ~2e-4. A trained model's margins are larger, but not on
+# every token: SmolLM2 fine-tuned with data.replay (prose answers among the held-out documents) agreed strictly
+# on 97.2% of assistant tokens at mean KL 6.5e-3, and the flips sat on near-ties (docs/smollm2_demo.md).
 TIE_NATS = 0.1
 
 
@@ -68,7 +71,7 @@ def logit_agreement(llm, model_dir: Path, docs: list) -> dict:
     docs = [(d, None) if not isinstance(d, tuple) else d for d in docs]
     docs = [(ids[: llm.n_ctx()], None if lab is None else lab[: llm.n_ctx()])  # longer than the context: cut
             for ids, lab in docs if len(ids) >= 2]
-    agree_lab, n_lab = 0, 0
+    agree_lab, near_lab, n_lab = 0, 0, 0
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model.eval()
     kls, agree, near, margins, nll_hf, nll_gg, n = [], 0, 0, [], 0.0, 0.0, 0
@@ -82,12 +85,13 @@ def logit_agreement(llm, model_dir: Path, docs: list) -> dict:
         kls.extend(kl.tolist())
         same = hf.argmax(-1) == gg.argmax(-1)
         agree += int(same.sum())
+        tied = hf.max(-1).values - hf.gather(1, gg.argmax(-1)[:, None])[:, 0] <= TIE_NATS  # includes `same`
+        near += int(tied.sum())
         if lab is not None:
             predicts_label = torch.tensor([x != -100 for x in lab[1:]] + [False])
             agree_lab += int(same[predicts_label].sum())
+            near_lab += int(tied[predicts_label].sum())
             n_lab += int(predicts_label.sum())
-        best = hf.max(-1).values
-        near += int((best - hf.gather(1, gg.argmax(-1)[:, None])[:, 0] <= TIE_NATS).sum())
         top2 = hf.topk(2, -1).values
         margins.extend((top2[:, 0] - top2[:, 1]).tolist())
         tgt = torch.tensor(ids[1:])
@@ -98,6 +102,7 @@ def logit_agreement(llm, model_dir: Path, docs: list) -> dict:
             "max_kl": float(np.max(kls)) if kls else None, "top1_agreement": agree / max(1, len(kls)),
             "top1_near_tie_agreement": near / max(1, len(kls)), "tie_nats": TIE_NATS,
             "label_positions": n_lab, "top1_agreement_labels": agree_lab / n_lab if n_lab else None,
+            "top1_near_tie_agreement_labels": near_lab / n_lab if n_lab else None,
             "hf_top1_margin_median": float(np.median(margins)) if margins else None,
             "ppl_hf": float(np.exp(nll_hf / max(1, n))), "ppl_gguf": float(np.exp(nll_gg / max(1, n))),
             "ppl_ratio": float(np.exp((nll_gg - nll_hf) / max(1, n)))}
@@ -179,12 +184,13 @@ def check(r: Recipe) -> int:
         failures += set_failures(es, s, s["leakage"])
     if agreement["mean_kl"] is not None and agreement["mean_kl"] > max_kl:
         failures.append(f"mean KL {agreement['mean_kl']:.4g} > {max_kl} for {qtype}")
-    gated_top1 = agreement["top1_agreement_labels"]
+    gated_top1 = agreement["top1_near_tie_agreement_labels"]  # near-ties agree (TIE_NATS)
     if gated_top1 is None:
-        gated_top1 = agreement["top1_agreement"]
+        gated_top1 = agreement["top1_near_tie_agreement"]
     agreement["top1_gated"] = gated_top1
     if agreement["mean_kl"] is not None and gated_top1 < min_top1:
-        failures.append(f"top-1 agreement on assistant tokens {gated_top1:.4f} < {min_top1} for {qtype}")
+        failures.append(f"top-1 agreement on assistant tokens {gated_top1:.4f} < {min_top1} for {qtype} (a GGUF "
+                        f"top token within {TIE_NATS} nats of HF's counts as agreeing)")
     res["passed"], res["failures"] = not failures, failures
     paths = layout(r)
     mf.write(paths.check_json, res)
@@ -215,7 +221,9 @@ def _print_table(res: dict) -> None:
         f"answers identical to HF's on {res['hf_gguf_answer_agreement']:.0%}",
         f"  HF vs GGUF on {a['positions']} held-out positions: mean KL {kl} nats/token "
         f"(gate {res['gates']['max_kl']}), top-1 agreement {a['top1_gated']:.4f} on {a['label_positions']} assistant "
-        f"positions (gate {res['gates']['min_top1']}; {a['top1_agreement']:.4f} over all), "
+        f"positions, near-ties within {a['tie_nats']} nats agreeing (gate {res['gates']['min_top1']}; strictly "
+        f"{a['top1_agreement_labels'] if a['top1_agreement_labels'] is not None else a['top1_agreement']:.4f}, "
+        f"{a['top1_agreement']:.4f} over all positions), "
         f"perplexity ratio {a['ppl_ratio']:.4f}",
         f"  T4: {t['weights_gib']} GiB weights + KV cache at {t['n_ctx']} tokens = {t['needed_gib']} GiB of "
         f"{t['usable_gib']} -> {'fits' if t['fits'] else 'DOES NOT FIT'}; largest context that fits {t['max_context_that_fits']:,}",

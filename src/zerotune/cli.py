@@ -11,7 +11,7 @@ from .errors import UserError, report
 from .quiet import silence_known_noise
 
 # the same words as the make targets (make data, make finetune, ...), in the logs and in every hint
-STAGES = ["fetch", "data", "finetune", "quantize", "check", "eval", "serve", "plan", "explain"]
+STAGES = ["fetch", "data", "inspect", "finetune", "quantize", "check", "eval", "serve", "plan", "explain"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="finetune: start even if the plan predicts it will not fit in memory or on disk")
     p.add_argument("--dry-run", action="store_true", help="finetune: print the resolved plan and exit")
     p.add_argument("--json", action="store_true", help="plan: machine-readable output")
+    p.add_argument("--n", type=int, default=2, metavar="N", help="inspect: prepared sequences to show (default 2)")
     return p
 
 
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # stage -> (what it does, its output folder under output_dir), for the one-line banner each stage starts with
 BANNERS = {"data": ("tokenize, label and pack the data", "data"),
+           "inspect": ("show prepared sequences as training sees them, labels highlighted", "inspect"),
            "finetune": ("fine-tune the model", "model"),
            "quantize": ("export a GGUF with llama.cpp's converter and check it", "gguf"),
            "check": ("compare the GGUF with the HF model on held-out prompts", "check")}
@@ -67,6 +69,9 @@ def _stage(args, r) -> int:
     if args.stage == "data":
         from .data.prepare import prepare
         prepare(r, rebuild=args.rebuild)
+    elif args.stage == "inspect":
+        from .data.view import inspect_data
+        inspect_data(r, n=args.n)
     elif args.stage == "finetune":
         if args.dry_run:
             from .plan import dry_run

@@ -47,15 +47,65 @@ class ModelCfg:
     init_seed: int = _f(1234, "Seed for random initialisation from init_config")
 
 
+# The names `columns` may map, per source format (data/formats.py reads rows and messages by them). Chat formats
+# also map message keys: `role` and `content`.
+COLUMN_NAMES = {
+    "messages": ("messages", "system", "tools", "role", "content"),
+    "sharegpt": ("messages", "system", "tools", "role", "content"),
+    "instruction": ("instruction", "input", "output", "system", "tools"),
+    "prompt_completion": ("prompt", "completion", "system", "tools"),
+    "text": ("text",),
+}
+# What `roles` may map a data set's role names onto; tool_call = an assistant turn whose text is a tool call
+ROLE_TARGETS = ("system", "user", "assistant", "tool", "tool_call")
+
+
+def tool_definitions(value, what: str = "tools") -> list | None:
+    """Tool definitions as chat templates take them: OpenAI's [{type: function, function: {name, ...}}], for a
+    source (data.sources[i].tools) and for a row's own (data/formats.py). Bare {name, description, parameters}
+    items (LLaMA-Factory, glaive) are wrapped into that form; JSON text is parsed; an empty list, "" or null is no
+    tools. Raises ValueError(reason, fix)."""
+    if isinstance(value, str) and value.strip():
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"'{what}' holds malformed JSON ({e.msg} at column {e.colno}).",
+                             "repair the JSON in that field.") from None
+    if value is None or value == "" or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ValueError(f"'{what}' must be a list of tool definitions, got {type(value).__name__}.",
+                         "use OpenAI's form: [{\"type\": \"function\", \"function\": {\"name\": ..., "
+                         "\"parameters\": {...}}}].")
+    out = []
+    for k, t in enumerate(value):
+        t = t if "function" in t else {"type": "function", "function": t}
+        if not isinstance(t["function"], dict) or not isinstance(t["function"].get("name"), str):
+            raise ValueError(f"'{what}' item {k} has no function name.",
+                             "each tool needs {\"type\": \"function\", \"function\": {\"name\": ...}}.")
+        out.append(t)
+    return out
+
+
 @dataclass
 class SourceCfg:
     path: str = _f("", "Local file (.jsonl/.json/.parquet/.csv) or hub dataset id")
-    format: Literal["messages", "instruction", "prompt_completion", "text"] = _f("messages", "Row format")
+    format: Literal["messages", "sharegpt", "instruction", "prompt_completion", "text"] = _f("messages", "Row format (docs/data.md): messages = OpenAI chat (weights, tools), sharegpt = {conversations: [{from, value}]}")
     weight: float = _f(1.0, "Mixture weight: fraction of this source's rows to use (>1 repeats rows)")
     split: str = _f("train", "Split, for hub datasets")
     name: Optional[str] = _f(None, "Config name, for hub datasets")
     revision: Optional[str] = _f(None, "Revision, for hub datasets")
-    columns: dict = _f({}, "Column mapping, e.g. {messages: conversations, output: response}")
+    columns: dict = _f({}, "Your names for our fields, per format (row fields, and message keys role/content for chat formats), e.g. {messages: conversations, role: from, content: value}")
+    roles: dict = _f({}, "Chat formats: your role names -> ours (" + ", ".join(ROLE_TARGETS) + "; tool_call = an assistant tool call), over ShareGPT's usual names for format sharegpt, e.g. {bot: assistant}")
+    tools: Optional[list] = _f(None, "Chat formats: tool definitions ([{type: function, function: {name, description, parameters}}]) rendered into every conversation of this source that has no 'tools' of its own; null = rows' own only")
+
+
+@dataclass
+class ReplayCfg:
+    path: str = _f("", "JSONL of general chat prompts ({messages: [...]}, ending with a user turn), disjoint from every eval set; the base model answers each once")
+    ratio: float = _f(0.2, "Replay conversations as a fraction of all training documents (0.2 = one in five); prompts repeat when the set is smaller")
+    max_new_tokens: int = _f(128, "Greedy tokens per answer; an answer cut off at this length is trained without its end-of-turn token")
+    limit: Optional[int] = _f(None, "Answer only the first N prompts; null = all")
 
 
 @dataclass
@@ -70,6 +120,7 @@ class DataCfg:
     num_proc: int = _f(1, "Processes for tokenization")
     eval_fraction: float = _f(0.0, "Fraction of rows held out as validation documents")
     seed: int = _f(0, "Shuffle/mixture seed")
+    replay: Optional[ReplayCfg] = _f(None, "Self-distilled replay: the base model's own greedy answers to general prompts, mixed into training so the fine-tune keeps its behaviour off-task (see ReplayCfg); null = off")
 
 
 @dataclass
@@ -152,7 +203,7 @@ class EvalSetCfg:
 class EvalCfg:
     sets: list = _f([], "Held-out sets scored by `zerotune eval` (base vs fine-tuned HF vs GGUF), see EvalSetCfg; empty = data.heldout scored exact")
     samples: int = _f(4, "Held-out prompts (first set) answered greedily at each in-training evaluation; 0 = none")
-    batch_size: int = _f(8, "Prompts the HF models answer per generate() call in check and eval (left-padded; the same greedy answers as one at a time)")
+    batch_size: int = _f(8, "Prompts the HF models answer per generate() call in check, eval and data.replay (left-padded; the same greedy answers as one at a time)")
     lm_eval_tasks: list = _f([], "lm-evaluation-harness tasks run by `zerotune eval`; zerotune_heldout = the local task built from the first set")
     lm_eval_limit: Optional[int] = _f(None, "lm-eval: examples per task; null = all")
 
@@ -164,6 +215,9 @@ class ServeCfg:
     n_ctx: int = _f(4096, "Context length")
     n_gpu_layers: int = _f(0, "Layers offloaded to GPU (-1 = all)")
     api_key: Optional[str] = _f(None, "Require this bearer token (better: ZEROTUNE_API_KEY in the environment)")
+    max_request_kb: int = _f(1024, "Largest request body in KiB; a larger one gets 413")
+    max_tokens: int = _f(1024, "Most tokens one answer may ask for (more is a 400); a chat request without max_tokens gets this many at most")
+    max_queue: int = _f(16, "Requests that may wait while the model answers another (it answers one at a time); more get 429 with Retry-After")
 
 
 GPUName = Literal[tuple(GPUS)]  # one table of GPUs: hardware.py
@@ -220,6 +274,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], where)
+    if dataclasses.is_dataclass(tp):  # a typed sub-section (data.replay): its own keys, checked the same way
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        return _build(tp, value, where)
     if origin is Literal:
         sval = value if not isinstance(value, bool) else ("on" if value else "off")
         if sval not in args:
@@ -281,6 +341,22 @@ def _build_source(raw: Any, where: str) -> SourceCfg:
     src = _build(SourceCfg, raw, where)
     if not src.path:
         raise RecipeError(f"{where}.path: every data source needs a path or hub id.")
+    names = COLUMN_NAMES[src.format]
+    for key, col in src.columns.items():  # a mistyped name would otherwise be ignored and the field read unmapped
+        if key not in names or not isinstance(col, str):
+            raise RecipeError(f"{where}.columns: {key!r}: {col!r} is not a mapping of one of format {src.format}'s "
+                              f"fields {list(names)} to your column name.{_suggest(str(key), names)}")
+    chat = src.format in ("messages", "sharegpt")
+    if src.roles and (not chat or not all(isinstance(k, str) and v in ROLE_TARGETS for k, v in src.roles.items())):
+        raise RecipeError(f"{where}.roles: {src.roles!r}: for format messages or sharegpt only, each of your role "
+                          f"names mapped to one of {list(ROLE_TARGETS)}, e.g. {{bot: assistant}}.")
+    if src.tools is not None:
+        if src.format == "text":
+            raise RecipeError(f"{where}.tools: format text renders no chat template, so it has no tools; remove it.")
+        try:
+            src.tools = tool_definitions(src.tools)
+        except ValueError as e:
+            raise RecipeError(f"{where}.tools: {e.args[0]} Fix: {e.args[1]}") from None
     return src
 
 
@@ -360,6 +436,29 @@ def _validate(r: Recipe, where: str) -> None:
     if r.train.eval_steps < 0 or (r.train.eval_steps > 0 and r.data.eval_fraction == 0):
         raise RecipeError(f"{where}: train.eval_steps={r.train.eval_steps} needs a validation split: set "
                           f"data.eval_fraction > 0 (e.g. 0.02), or train.eval_steps: 0.")
+    if r.data.replay is not None:
+        rp = r.data.replay
+        if not rp.path:
+            raise RecipeError(f"{where}: data.replay.path: name a JSONL of general prompts (e.g. "
+                              f"data/general/prompts.jsonl), or set data.replay: null.")
+        if not 0 < rp.ratio < 1 or rp.max_new_tokens <= 0 or (rp.limit is not None and rp.limit <= 0):
+            raise RecipeError(f"{where}: data.replay: ratio must be in (0, 1), max_new_tokens and limit positive "
+                              f"(got ratio {rp.ratio}, max_new_tokens {rp.max_new_tokens}, limit {rp.limit}).")
+        if not r.model.name_or_path:
+            raise RecipeError(f"{where}: data.replay replays the base model's own answers, but this model is "
+                              f"initialised at random (model.init_config): set model.name_or_path to a pretrained "
+                              f"model, or data.replay: null.")
+    sv = r.serve
+    if sv.max_request_kb < 1 or sv.max_tokens < 1 or sv.max_queue < 0:
+        raise RecipeError(f"{where}: serve.max_request_kb={sv.max_request_kb}, serve.max_tokens={sv.max_tokens}, "
+                          f"serve.max_queue={sv.max_queue}: the first two must be at least 1, max_queue at least 0 "
+                          f"(0 = no request waits).")
+    longest = max((s for s in r.eval.sets), key=lambda s: s.max_new_tokens, default=None)
+    if longest is not None and longest.max_new_tokens > sv.max_tokens:
+        # lm-evaluation-harness asks zerotune's server for the GGUF's answers: the server would refuse them
+        raise RecipeError(f"{where}: eval.sets[{longest.name}].max_new_tokens={longest.max_new_tokens} is more than "
+                          f"serve.max_tokens={sv.max_tokens}, which the server enforces (zerotune eval asks it for "
+                          f"the GGUF's lm-eval answers): raise serve.max_tokens or lower max_new_tokens.")
     if r.eval.batch_size < 1:
         raise RecipeError(f"{where}: eval.batch_size={r.eval.batch_size}: must be at least 1 (prompts per generate call).")
     if len({s.name for s in r.eval.sets}) != len(r.eval.sets):
@@ -401,7 +500,10 @@ def explain() -> str:
         for f in dataclasses.fields(cls):
             d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             lines.append(f"  {f.name}: {d!r:<12} # {f.metadata.get('help', '')}")
-            if (section, f.name) == ("eval", "sets"):  # list items are typed too: show their fields
-                for g in dataclasses.fields(EvalSetCfg):
-                    lines.append(f"    - {g.name}: {g.default!r:<10} # {g.metadata.get('help', '')}")
+            sub = {("eval", "sets"): ("- ", EvalSetCfg), ("data", "replay"): ("", ReplayCfg),
+                   ("data", "sources"): ("- ", SourceCfg)}.get((section, f.name))
+            if sub:  # typed items and sub-sections: show their fields too
+                for g in dataclasses.fields(sub[1]):
+                    gd = g.default if g.default is not dataclasses.MISSING else g.default_factory()
+                    lines.append(f"    {sub[0]}{g.name}: {gd!r:<10} # {g.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -6,7 +6,9 @@ Keys come from `gguf.Keys`, never magic strings. Checks:
 - the pre-tokenizer is a known one (not llama.cpp's 'default' fallback), and HF
   and llama.cpp tokenize a probe set identically (special tokens, non-English);
 - a chat template is embedded, and the prompt llama-cpp-python builds from it
-  for a chat request has exactly the token ids of HF's `apply_chat_template`;
+  for a chat request has exactly the token ids of HF's `apply_chat_template`,
+  for plain chats and, where the template renders tools, for a tool conversation
+  (tool definitions, an assistant tool call, the tool's reply);
 - generation stops where HF stops: the token that ends an assistant turn in the
   chat template and every HF end token (generation_config `eos_token_id`,
   tokenizer eos) are end-of-generation (EOG) tokens in the GGUF, the GGUF's eos
@@ -55,6 +57,17 @@ PROBE_CHATS = [
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Größe? 日本語"}],
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
      {"role": "user", "content": "  two  spaces\nand a newline  "}],
+]
+# A tool conversation as training renders it (data/formats.py): tool definitions, an assistant tool call with its
+# arguments as an object and no content, the tool's reply. Compared as far as the template renders tools.
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+PROBE_TOOL_CHAT = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "{\"temp_c\": 21}"},
 ]
 END_OF_TURN = "<|eot_id|>"
 # llama-cpp-python replaces an embedded template it recognises with a hand-written formatter ("llama-3" for
@@ -125,7 +138,8 @@ def read_header(path: Path) -> GGUFHeader:
     except (ValueError, struct.error, IndexError, OSError, UnicodeDecodeError, KeyError) as e:
         raise GGUFCheckError(f"{path}: not a readable GGUF ({type(e).__name__}: {e}). "
                              "The file may be truncated or not a GGUF.") from e
-    end = max((hdr.data_offset + t.offset + t.nbytes for t in hdr.tensors), default=hdr.data_offset)
+    # no tensors (a vocab-only GGUF): nothing follows the header, not even the data section's alignment padding
+    end = max((hdr.data_offset + t.offset + t.nbytes for t in hdr.tensors), default=0)
     if end > size:
         short = [t.name for t in hdr.tensors if hdr.data_offset + t.offset + t.nbytes > size]
         raise GGUFCheckError(f"{path}: truncated: the tensor table needs {end:,} bytes but the file has {size:,} "
@@ -257,9 +271,9 @@ class _Captured(Exception):
         self.prompt = prompt
 
 
-def gguf_chat_prompt(llm, messages: list[dict]) -> list[int]:
-    """The token ids llama-cpp-python would feed the model for a chat request, built by the same handler
-    `create_chat_completion` (and the server) use; works on a vocab-only Llama."""
+def gguf_chat_prompt(llm, messages: list[dict], tools: list | None = None) -> list[int]:
+    """The token ids llama-cpp-python would feed the model for a chat request (with `tools`, as the server passes
+    them), built by the same handler `create_chat_completion` (and the server) use; works on a vocab-only Llama."""
     real = llm.__dict__.get("create_completion")
 
     def capture(prompt, *a, **k):
@@ -267,7 +281,7 @@ def gguf_chat_prompt(llm, messages: list[dict]) -> list[int]:
 
     llm.create_completion = capture
     try:
-        llm.create_chat_completion(messages=messages, max_tokens=1)
+        llm.create_chat_completion(messages=messages, tools=tools, max_tokens=1)
     except _Captured as c:
         prompt = c.prompt
     finally:
@@ -276,6 +290,21 @@ def gguf_chat_prompt(llm, messages: list[dict]) -> list[int]:
         else:
             llm.create_completion = real
     return list(prompt) if not isinstance(prompt, str) else llm.tokenize(prompt.encode(), add_bos=True, special=True)
+
+
+def tool_probe(tok) -> tuple[list, list | None, str]:
+    """The part of PROBE_TOOL_CHAT the HF template renders (data/tokenize.py's probes decide, as in training):
+    (messages, tools, what is compared); no messages when it renders none of it."""
+    from .data.tokenize import ChatRenderer
+
+    support = ChatRenderer(tok).tool_support()
+    tools = PROBE_TOOLS if support["tools"] is None else None
+    calls = support["tool calls"] is None and support["tool replies"] is None
+    msgs = PROBE_TOOL_CHAT if calls else (PROBE_TOOL_CHAT[:1] if tools else [])
+    done = [f for f, ok in (("tools", tools), ("a tool call and its reply", calls)) if ok]
+    missing = [f for f, why in support.items() if why is not None]
+    what = " and ".join(done) or "none"
+    return msgs, tools, what + (f" (the template does not render {', '.join(missing)})" if missing else "")
 
 
 def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE_CHATS) -> dict:
@@ -303,6 +332,14 @@ def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE
                 if hf != gg:
                     chat_mismatches.append({"messages": msgs, "hf": tok.decode(hf), "gguf": tok.decode(gg),
                                             "chat_format": llm.chat_format})
+        tool_msgs, tools, tool_chat = tool_probe(tok) if tok.chat_template else ([], None, "nothing (no template)")
+        if tool_msgs:
+            hf = list(tok.apply_chat_template(tool_msgs, tools=tools, add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"])
+            gg = gguf_chat_prompt(llm, tool_msgs, tools)
+            if hf != gg:
+                chat_mismatches.append({"messages": tool_msgs, "tools": tools, "hf": tok.decode(hf),
+                                        "gguf": tok.decode(gg), "chat_format": llm.chat_format})
         vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         eog = [i for i in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)]
@@ -313,6 +350,7 @@ def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE
         name = lambda i: tok.convert_ids_to_tokens(int(i)) if i is not None and 0 <= i < len(tok) else None  # noqa: E731
         res = {
             "mismatches": mismatches, "chat_mismatches": chat_mismatches, "chat_format": llm.chat_format,
+            "tool_chat": tool_chat, "tool_chat_compared": bool(tool_msgs),
             "eog_ids": eog, "eog_tokens": [name(i) for i in eog], "hf_eos_ids": ends["eos_ids"],
             "turn_end_id": ends["turn_end_id"], "turn_end_token": name(ends["turn_end_id"]),
             "gguf_eos_id": gguf_eos, "gguf_eos_token": name(gguf_eos),
@@ -380,7 +418,8 @@ def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
     if template and parity["chat_mismatches"]:
         m = parity["chat_mismatches"][0]
         problems.append(f"the chat prompt llama-cpp-python builds (format {m['chat_format']!r}) differs from HF's "
-                        f"apply_chat_template on {len(parity['chat_mismatches'])} probe chats, e.g. "
+                        f"apply_chat_template on {len(parity['chat_mismatches'])} probe chats"
+                        f"{' (the tool conversation among them)' if any('tools' in x for x in parity['chat_mismatches']) else ''}, e.g. "
                         f"HF {m['hf']!r} vs GGUF {m['gguf']!r}")
     if parity["turn_end_id"] is not None and parity["turn_end_id"] not in parity["eog_ids"]:
         problems.append(f"the chat template ends assistant turns with {parity['turn_end_token']!r} (id "
@@ -401,7 +440,8 @@ def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
         "architecture": hdr.get(Keys.General.ARCHITECTURE),
         "file_type": hdr.get(Keys.General.FILE_TYPE),
         "pre_tokenizer": pre, "chat_template": True, "chat_format": parity["chat_format"],
-        "chat_prompts_identical": len(PROBE_CHATS), "tensors": len(names), "tensor_types": types,
+        "chat_prompts_identical": len(PROBE_CHATS) + parity["tool_chat_compared"],
+        "tool_chat": parity["tool_chat"], "tensors": len(names), "tensor_types": types,
         "k_quant_fallbacks": fallback, "rope_freqs": "rope_freqs.weight" in names,
         "probe_texts_identical": len(PROBE_TEXTS), "eog_tokens": parity["eog_tokens"],
         "eos_token": parity["gguf_eos_token"], "turn_end_token": parity["turn_end_token"], "eot_is_eog": True,
@@ -409,7 +449,8 @@ def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
     }
     fb = f"; {len(fallback)} K-quant fallbacks (row length not a multiple of {K_BLOCK})" if fallback else ""
     report["summary"] = (f"pre-tokenizer {pre}, {len(PROBE_TEXTS)}/{len(PROBE_TEXTS)} probe texts and "
-                         f"{len(PROBE_CHATS)}/{len(PROBE_CHATS)} chat prompts tokenize identically, "
+                         f"{report['chat_prompts_identical']} chat prompts (tool conversation: "
+                         f"{parity['tool_chat']}) tokenize identically, "
                          f"{parity['turn_end_token']} ends generation, "
                          f"{len(names)} tensors ({', '.join(f'{k} {v}' for k, v in sorted(types.items()))}){fb}")
     for n in notes:

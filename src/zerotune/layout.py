@@ -1,7 +1,9 @@
 """Where a run's files live: every path a stage reads or writes, stated once, in the order the stages run.
 
     <output_dir>/                     recipe `output_dir` (default runs/<recipe>)
+      replay/        data             answers-<key>.jsonl + .json: the base model's answers to data.replay's prompts
       data/          data             train/ eval/ (Arrow), manifest.json (fingerprint, counts), lengths.png
+      inspect/       inspect          sequences.html: prepared sequences as training sees them, labels highlighted
       base/          finetune         a random init materialised from model.init_config (pretrained: model.name_or_path)
       train/         finetune         metrics.jsonl, samples.jsonl, validation_failed.json, curves.png, manifest.json;
                                       handoff between its processes: recipe.resolved.yaml (written by the
@@ -35,6 +37,13 @@ class RunLayout:
     gguf: Path | None = None
 
     @property
+    def replay(self) -> Path:  # data.replay's cache: kept across data rebuilds (answering takes minutes to hours)
+        return self.out / "replay"
+
+    def replay_answers(self, key: str) -> Path:  # the conversations (JSONL); beside it <key>.json, the counts
+        return self.replay / f"answers-{key}.jsonl"
+
+    @property
     def data(self) -> Path:
         return self.out / "data"
 
@@ -49,6 +58,14 @@ class RunLayout:
     @property
     def data_manifest(self) -> Path:  # data -> finetune, plan, quantize: fingerprint, counts, lengths
         return self.data / "manifest.json"
+
+    @property
+    def inspect(self) -> Path:
+        return self.out / "inspect"
+
+    @property
+    def inspect_html(self) -> Path:  # inspect: the prepared sequences, labels highlighted (data/view.py)
+        return self.inspect / "sequences.html"
 
     @property
     def base_stamp(self) -> Path:  # what a random-init base was made from; reused while it matches

@@ -5,7 +5,9 @@ laptop can plan a V100 job. Memory per GPU comes from planner/memory.py (DeepSpe
 for model states + modelled buffers and activations) for the training step, and from
 planner/phases.py for every other phase of the job (validation, samples, save, resume, finalize,
 quantize); disk per event from planner/disk.py; time per optimizer step from planner/time.py (compute at an
-assumed MFU, the communication it cannot hide, the optimizer step, fixed costs), on 1-8 nodes.
+assumed MFU, the communication it cannot hide, the optimizer step, fixed costs), on 1-8 nodes. Before the job,
+data.replay's answering in the data step (one GPU, planner/phases.py replay_plan): reported, never refused by
+preflight (it has run by the time finetune starts).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .layout import layout
 from .quant_types import QUANT_TYPES
 from .planner.disk import disk_events, held
 from .planner.memory import GiB, ModelConfigError, _attention_has_mask, memory_breakdown, model_shape
-from .planner.phases import phase_plan
+from .planner.phases import REPLAY_DECODE_EFFICIENCY as REPLAY_EFFICIENCY, phase_plan, replay_plan
 from .planner import time as timemodel
 
 
@@ -297,6 +299,60 @@ def _inference(r: Recipe, shape) -> dict:
             "recipe_quant": r.quantize.type}
 
 
+# A bound on the chat template's tokens around the prompts' text, without the tokenizer (planning downloads
+# nothing). Byte-level BPE (Llama 3, SmolLM2, Qwen, GPT-2 style: every byte is a base token, every token at least one
+# byte) never gives more tokens than UTF-8 bytes, so a prompt's content costs at most its byte length; the template
+# adds a fixed part and a part per message. Measured with the real tokenizers (tests/test_plan.py): fixed, Llama
+# 3.1-Instruct's default system header with its date (<|begin_of_text|>...Cutting Knowledge Date: December
+# 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|>) 26 tokens + the assistant header 4 = 30; SmolLM2's default system
+# block 21 + 4 = 25; per message 5 in both (start, role, end of header or newline, end of turn). Templates with
+# longer default system prompts or tool descriptions are not covered.
+REPLAY_TEMPLATE_TOKENS = 40
+REPLAY_TOKENS_PER_MESSAGE = 8
+
+
+def replay_prompt_bound(rows: list[dict]) -> int:
+    """A bound on the tokens of the longest templated prompt of `rows`: the UTF-8 bytes of its messages' contents +
+    the template's fixed and per-message overhead (REPLAY_TEMPLATE_TOKENS, REPLAY_TOKENS_PER_MESSAGE)."""
+    return max(sum(len(msg["content"].encode("utf-8")) for msg in row["messages"]) + REPLAY_TEMPLATE_TOKENS
+               + REPLAY_TOKENS_PER_MESSAGE * len(row["messages"]) for row in rows)
+
+
+def _replay(r: Recipe, shape, g: hardware.GPU) -> dict | None:
+    """data.replay's answering in the data step (data/replay.py): the base model on one device of the recipe's GPU
+    kind in the precision data/replay.py picks there (hardware.choose's auto, fp16 on V100), eval.batch_size prompts
+    per generate() call; on a CPU target, host RAM in fp32. None without data.replay."""
+    if r.data.replay is None:
+        return None
+    from .data.replay import load_prompts
+
+    rp = r.data.replay
+    try:
+        rows = load_prompts(r)  # data.replay.limit applied
+    except UserError as e:  # a missing or bad prompt file: the data step says so; the plan reports it
+        return {"error": str(e)}
+    precision = hardware.choose(g, fa2_installed=False).precision  # as data/replay.py _device_and_dtype
+    on_gpu = g.capability is not None
+    capacity = int(g.usable_gib * GiB) if on_gpu else int(r.plan.cpu_ram_gb * 1e9)  # one process, the node's RAM
+    prompt = replay_prompt_bound(rows)
+
+    def plan(batch, **timing):
+        return replay_plan(shape, prompts=len(rows), batch=batch, prompt_tokens=prompt,
+                           max_new_tokens=rp.max_new_tokens, e=hardware.dtype_bytes(precision), on_gpu=on_gpu,
+                           capacity=capacity, **timing)
+
+    # the GPU's memory bandwidth: the time model's sourced figure for the cluster type around it (planner/time.py)
+    hbm = timemodel.CLUSTERS[g.cluster].hbm if g.cluster else None
+    out = plan(r.eval.batch_size, bandwidth_gbs=hbm, peak_tflops=g.peak_tflops,
+               mfu=r.plan.mfu or g.default_mfu)
+    # what to suggest when it does not fit: the largest smaller eval.batch_size that does (None: fits, or none does)
+    largest = None if out["fits"] else next((b for b in range(min(r.eval.batch_size, len(rows)) - 1, 0, -1)
+                                             if plan(b)["fits"]), None)
+    return {"prompts": len(rows), "path": rp.path, "prompt_limit": rp.limit, "prompt_tokens_bound": prompt,
+            "batch_size": r.eval.batch_size, "max_new_tokens": rp.max_new_tokens, "precision": precision,
+            "device": g.name, "largest_batch_that_fits": largest, **out}
+
+
 def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = None, nodes: int | None = None,
                  cluster: str | None = None) -> dict:
     """cluster: a cluster type of planner/time.py CLUSTERS (links between the GPUs); default: the GPU's."""
@@ -425,6 +481,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
         "time": time, "data": data, "inference": _inference(r, shape), "warnings": warnings,
         "disk": disk, "preemption": _preemption(r, time, disk),
         "finalize": {"parts": fin["parts"], "peak_bytes": fin["peak_bytes"], "cpu_ram_bytes": fin["capacity_bytes"]},
+        "replay": _replay(r, shape, g),  # the data step's answering, before the job (not part of preflight)
     }
 
 
@@ -479,6 +536,37 @@ def _gib(b) -> str:
 
 def _h(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:,.1f} s"
+
+
+def format_replay(p: dict) -> list[str]:
+    """data.replay's answering in the data step: its peak on one device against that device, and its time."""
+    rp = p.get("replay")
+    if rp is None:
+        return []
+    if "error" in rp:
+        return [f"\nreplay (data step): not planned: {rp['error']}"]
+    where = "one GPU" if rp["limit"] == "gpu" else "CPU, host RAM"
+    verdict = "fits" if rp["fits"] else "DOES NOT FIT"
+    lines = [f"\nreplay (data step, before training, {where}): the base model answers {rp['prompts']:,} prompts of "
+             f"{rp['path']}, {rp['batch_size']} per generate() call, prompt <= {rp['prompt_tokens_bound']:,} tokens "
+             f"(bound) + up to {rp['max_new_tokens']} new, {rp['precision']} on {rp['device']}",
+             f"  peak {_gib(rp['peak_bytes']).strip()} of {_gib(rp['capacity_bytes']).strip()}: {verdict} ("
+             + ", ".join(f"{k} {v / GiB:.2f}" for k, v in rp["parts"].items() if v >= GiB / 200)
+             + " GiB, and terms below 0.005 GiB)"]
+    if rp["seconds"] is not None:
+        bound = (f"memory-bound: every step reads all weights, at an assumed {REPLAY_EFFICIENCY:.0%} of the "
+                 "bandwidth" if rp["memory_bound"] else f"compute-bound at {rp['mfu']:.0%} MFU")
+        lines.append(f"  time ~{_h(rp['seconds'])}: {rp['batches']:,} batch(es) x {rp['max_new_tokens']} decode "
+                     f"steps of {rp['seconds_per_step'] * 1e3:.0f} ms ({bound}) + prefill {_h(rp['prefill_s'])}; "
+                     f"<= {rp['generated_tokens_max']:,} tokens generated")
+    else:
+        lines.append(f"  time: no estimate on this target; <= {rp['generated_tokens_max']:,} tokens generated")
+    if not rp["fits"]:
+        fix = (f"eval.batch_size={rp['largest_batch_that_fits']} fits" if rp["largest_batch_that_fits"]
+               else "not even eval.batch_size=1 fits: a smaller model or a larger GPU")
+        lines.append(f"  fix: lower eval.batch_size ({fix}), or data.replay.max_new_tokens, or shorten / drop the "
+                     "longest prompts (data.replay.limit takes the first N)")
+    return lines
 
 
 def format_time(p: dict) -> list[str]:
@@ -567,6 +655,7 @@ def format_plan(p: dict) -> str:
         verdict = ("yes" if ph["fits"] else "NO ") if ph["runs"] else "-  "
         lines.append(f"  {name:<12} {_gib(ph['peak_bytes'])}  {unit:>16}  {verdict}   {ph['what']}"
                      + ("" if ph["runs"] else " (does not run: see the recipe)"))
+    lines += format_replay(p)
     lines += format_time(p)
     d = p["data"]
     if d["steps_per_epoch"] is not None:

@@ -20,7 +20,8 @@ LOG_LINES = [
      "printed by every process that imports deepspeed on a machine without a GPU; zerotune detects the "
      "hardware itself and says what it chose"),
     ("bitsandbytes.backends.cpu.ops", "Failed to load CPU gemm_4bit_forward from kernels-community",
-     "an optional kernel from the hub; bitsandbytes uses its built-in CPU path"),
+     "an optional kernel from the hub; bitsandbytes uses its built-in CPU path. Logged at import (peft imports "
+     "bitsandbytes) and only on CPUs with AVX512-BF16, so a machine without them never shows it"),
     ("transformers.tokenization_utils_tokenizers", "Ignoring clean_up_tokenization_spaces=True for BPE tokenizer",
      "Llama-3's tokenizer_config.json asks for it; transformers rightly skips it for a BPE tokenizer"),
 ]
@@ -61,6 +62,9 @@ def silence_known_noise() -> None:
         # transformers' and the hub's progress bars (e.g. "Writing model shards") are carriage-return
         # animations: in a log file they are one garbled line per save. zerotune's own bars follow the same rule.
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        # datasets' own bars ("Generating test split: 60 examples", lm-evaluation-harness loading its task in
+        # `zerotune eval`): read once, when datasets is imported
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 
 
 @contextlib.contextmanager

@@ -10,12 +10,14 @@ would otherwise swap a Llama-3 template it recognises for its own formatter,
 which does not trim messages as the template does); an optional API key
 (ZEROTUNE_API_KEY in the environment, or serve.api_key). The model is closed
 when the server shuts down (llama-cpp-python's `__del__` at exit raises).
+
+What a request must be, the limits (serve.max_request_kb, serve.max_tokens, serve.max_queue) and the error shape
+are serve_guard.py's: it stands in front of llama-cpp-python's app.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 
@@ -23,9 +25,6 @@ from .config import Recipe
 from .errors import MissingInputError, UserError
 from .gguf_checks import CHAT_FORMAT, chat_template_of
 from .layout import layout
-
-
-REQUIRED_FIELDS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 
 
 class ServeError(UserError, RuntimeError):
@@ -54,8 +53,11 @@ def close_model() -> None:
 
 
 def build_app(r: Recipe, gguf: Path | None = None):
+    from llama_cpp.server import app as server_app
     from llama_cpp.server.app import create_app
     from llama_cpp.server.settings import ModelSettings, ServerSettings
+
+    from .serve_guard import Guard, Limits, ModelFacts
 
     gguf = Path(gguf or layout(r).gguf)
     if not gguf.exists():
@@ -76,45 +78,42 @@ def build_app(r: Recipe, gguf: Path | None = None):
             close_model()
 
     app.router.lifespan_context = lifespan
-
-    async def invalid_json(_request, exc: json.JSONDecodeError):
-        # llama-cpp-python's route error handler re-reads the body as JSON and lets this escape as a 500.
-        from fastapi.responses import JSONResponse
-
-        return JSONResponse(status_code=400, content={"error": {
-            "message": f"request body is not valid JSON: {exc}", "type": "invalid_request_error", "code": None}})
-
-    app.add_exception_handler(json.JSONDecodeError, invalid_json)
-
-    @app.middleware("http")
-    async def require_fields(request, call_next):
-        # llama-cpp-python defaults `messages` to [] and `prompt` to "": a request missing them would be
-        # answered from an empty prompt. OpenAI requires both.
-        need = REQUIRED_FIELDS.get(request.url.path) if request.method == "POST" else None
-        if need:
-            try:
-                body = json.loads(await request.body() or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                body = None  # the JSON handler above answers it
-            else:
-                if not isinstance(body, dict) or body.get(need) in (None, [], ""):
-                    from fastapi.responses import JSONResponse
-
-                    return JSONResponse(status_code=400, content={"error": {
-                        "message": f"'{need}' is required and must not be empty", "type": "invalid_request_error",
-                        "param": need, "code": None}})
-        return await call_next(request)
-
+    llm = server_app._llama_proxy._current_model  # loaded by create_app
+    app.add_middleware(Guard, facts=ModelFacts(llm), limits=Limits(
+        alias=r.name, api_key=api_key, max_request_bytes=r.serve.max_request_kb * 1024,
+        max_tokens=r.serve.max_tokens, max_queue=r.serve.max_queue))
     return app, server
+
+
+def return_large_frees_to_the_os() -> None:
+    """A fixed glibc mmap threshold, so that large buffers freed after each request leave the process.
+
+    glibc raises its mmap threshold after the first large free (up to 32 MiB); from then on the large buffers
+    llama.cpp allocates and frees while generating come from heaps that keep them. Measured on the tiny GGUF
+    (128k vocabulary), six rounds of 100 concurrent requests took the server from 461 to 898 MiB RSS, and
+    malloc_trim gave back all but 16 MiB of the growth: freed memory, not a leak. With the threshold fixed at
+    128 KiB, RSS rose once to about 620 MiB and stayed there, at the same speed. Nothing to do off glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    M_MMAP_THRESHOLD = -3  # malloc.h
+    libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
 
 
 def serve(r: Recipe) -> int:
     import uvicorn
 
+    return_large_frees_to_the_os()
     app, server = build_app(r)
     if server.host not in ("127.0.0.1", "localhost", "::1") and not server.api_key:
         print(f"serve: WARNING: listening on {server.host} without an API key; set ZEROTUNE_API_KEY.", flush=True)
+    s = r.serve
     print(f"serve: {layout(r).gguf.name} as model '{r.name}' on http://{server.host}:{server.port}/v1 "
-          f"(context {r.serve.n_ctx}, GPU layers {r.serve.n_gpu_layers}); Ctrl-C stops it", flush=True)
+          f"(context {s.n_ctx}, GPU layers {s.n_gpu_layers}); Ctrl-C stops it", flush=True)
+    print(f"serve: limits: request body {s.max_request_kb} KiB, max_tokens {s.max_tokens}, one answer at a time "
+          f"with {s.max_queue} waiting (then 429)", flush=True)
     uvicorn.run(app, host=server.host, port=server.port, log_level="info")  # handles SIGINT/SIGTERM gracefully
     return 0

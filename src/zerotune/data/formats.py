@@ -1,27 +1,47 @@
-"""Turn a row of any supported format into chat messages (or raw text), validated.
+"""Turn a row of any supported format into a conversation (or raw text), validated, with every key accounted for.
 
-Formats: `messages` (system/user/assistant, multi-turn), `instruction`
-(instruction/input/output, optional system), `prompt_completion`
-(prompt/completion, optional system) and `text` (continued pretraining).
-`columns` in the recipe maps the names a data set uses onto these, e.g.
-`columns: {messages: conversations, output: response}`.
+Formats (docs/data.md has one example row of each):
+- `messages`: OpenAI's chat fine-tuning format. `{"messages": [{"role", "content"}, ...], "tools": [...]}` with
+  system/user/assistant/tool turns, assistant `tool_calls` (content null), tool replies (`tool_call_id`), and
+  `"weight": 0|1` on assistant turns (0 = no loss). Rows whose messages are ShareGPT-shaped ({from, value}) are
+  read as `sharegpt` and counted, so prepare can say what it detected.
+- `sharegpt`: `{"conversations": [{"from", "value"}, ...]}` with ShareGPT's role names (SHAREGPT_ROLES), an
+  optional row `system` and `tools` (LLaMA-Factory's layout: a `function_call` turn's value is the call as JSON,
+  an `observation` turn is the tool's reply).
+- `instruction` (instruction/input/output), `prompt_completion` (prompt/completion), both with optional `system`
+  and `tools`; `text` (continued pretraining).
+`columns` maps a data set's names onto ours (row fields and, for chat formats, the message keys `role` and
+`content`); `roles` maps its role names onto ours (config.ROLE_TARGETS).
+
+Nothing is dropped silently. Every key of a row or message is honoured, refused (BadSample: file, line, fix),
+or reported back as ignored in `Doc.notes`, which prepare counts per source in the manifest and the log. A null
+value counts as absent (exports carry `"name": null` and friends). Keys that change what is trained (`weight`,
+`tool_calls`, `truncated`, `loss`, `train`) are never ignored: honoured where zerotune can do what they ask,
+refused where it cannot.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass
 
+from ..config import tool_definitions
 from .sources import BadSample
 
-ROLES = {"system", "user", "assistant"}
+ROLES = {"system", "user", "assistant", "tool"}
 FIELDS = {
     "messages": ["messages"],
+    "sharegpt": ["messages"],
     "instruction": ["instruction", "input", "output"],
     "prompt_completion": ["prompt", "completion"],
     "text": ["text"],
 }
-OPTIONAL = {"input", "system"}
+OPTIONAL = {"input", "system", "tools"}
+CHAT_COLUMNS = {  # the row and message names each chat format reads when `columns` does not rename them
+    "messages": {"messages": "messages", "role": "role", "content": "content"},
+    "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
+}
 SYNONYMS = {  # common names for a field in public data sets, tried when the field is missing
     "messages": ["conversations", "conversation", "messages", "dialog", "chat", "turns"],
     "instruction": ["instruction", "question", "prompt", "query", "task"],
@@ -31,6 +51,27 @@ SYNONYMS = {  # common names for a field in public data sets, tried when the fie
     "text": ["text", "content", "document", "body"],
 }
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
+# ShareGPT's role names as the public sets spell them (and LLaMA-Factory's function_call/observation turns)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "system": "system", "function_call": "tool_call",
+                  "tool_call": "tool_call", "observation": "tool", "tool": "tool", "function": "tool"}
+_OUR_ROLES = {r: r for r in ROLES}
+# Keys that change what is trained. Never ignored: read where they are honoured, refused anywhere else.
+NOT_READ = {
+    "loss": "zerotune reads OpenAI's per-turn \"weight\": 0|1 instead",
+    "train": "zerotune reads OpenAI's per-turn \"weight\": 0|1 instead",
+    "function_call": "use \"tool_calls\" (OpenAI's current format) instead of the legacy function_call",
+    "functions": "use \"tools\" (OpenAI's current format) instead of the legacy functions",
+}
+
+
+@dataclass
+class Doc:
+    """One row, read: chat messages (or the text, for format text), the tools its template renders, and what
+    prepare counts for its source (ignored keys, a detected format, tool rows, weight-0 turns); None if nothing."""
+    conv: list | str
+    tools: list | None = None
+    notes: dict | None = None
 
 
 def _get(row: dict, name: str, columns: dict, where: str, fmt: str):
@@ -59,61 +100,240 @@ def _text(value, where: str, what: str) -> str:
     return value
 
 
+def _json_cell(value, where: str, what: str):
+    """A list or object stored as JSON text (CSV and parquet cells, ShareGPT call values) -> the value."""
+    if isinstance(value, str) and value.lstrip()[:1] in ("[", "{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as e:
+            raise BadSample(where, f"'{what}' holds malformed JSON ({e.msg} at column {e.colno}).",
+                            "repair the JSON in that field.") from None
+    return value
+
+
 def _system(row: dict, columns: dict, where: str, fmt: str) -> list[dict]:
     s = _get(row, "system", columns, where, fmt)
+    if s is not None and not isinstance(s, str):
+        raise BadSample(where, f"'system' must be a string, got {type(s).__name__}.")
     return [{"role": "system", "content": s}] if isinstance(s, str) and s.strip() else []
 
 
-def to_messages(row: dict, fmt: str, columns: dict, where: str) -> list[dict] | str:
-    """Chat messages for chat formats, a string for `text`."""
+def normalize_tools(value, where: str, what: str = "tools") -> list | None:
+    """A row's tools, as config.tool_definitions reads a source's: in OpenAI's form, or None."""
+    try:
+        return tool_definitions(value, what)
+    except ValueError as e:
+        raise BadSample(where, *e.args) from None
+
+
+def _arguments(value, where: str, what: str) -> dict:
+    """A call's arguments as a JSON object. OpenAI stores them as JSON text; chat templates (Llama-3.1's, Qwen's)
+    expect the object and print it with `tojson`, so text would be trained double-encoded."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else None
+        except json.JSONDecodeError as e:
+            raise BadSample(where, f"{what} arguments are not valid JSON ({e.msg}).",
+                            "arguments must be a JSON object (or its JSON text).") from None
+    if not isinstance(value, dict):
+        raise BadSample(where, f"{what} arguments must be a JSON object, got {type(value).__name__}.",
+                        "arguments must be a JSON object such as {\"city\": \"Paris\"} (or its JSON text).")
+    return value
+
+
+def _tool_calls(calls, where: str, i: int) -> list[dict]:
+    """OpenAI's tool_calls, each passed on whole, its function's arguments parsed into an object."""
+    if not isinstance(calls, list) or not calls:
+        raise BadSample(where, f"message {i}: 'tool_calls' must be a non-empty list.",
+                        "use [{\"id\": ..., \"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": ...}}].")
+    out = []
+    for k, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadSample(where, f"message {i}: tool call {k} has no function name.",
+                            "each call is {\"type\": \"function\", \"function\": {\"name\": ..., \"arguments\": ...}}.")
+        out.append({**c, "function": {**fn, "arguments": _arguments(fn.get("arguments"), where,
+                                                                    f"message {i}: tool call {k}")}})
+    return out
+
+
+def _sharegpt_call(value, where: str, i: int) -> list[dict]:
+    """A ShareGPT function_call turn's value, {"name", "arguments"} or a list of them as JSON text, as tool_calls."""
+    value = _json_cell(value, where, f"message {i} value")
+    calls = value if isinstance(value, list) else [value]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise BadSample(where, f"message {i} is a tool call, but its value is not {{\"name\": ..., \"arguments\": "
+                               f"{{...}}}} (or a list of them).", "store the call as that JSON.")
+    return [{"type": "function", "function": {"name": c["name"], "arguments": _arguments(
+        c.get("arguments"), where, f"message {i}: tool call {k}")}} for k, c in enumerate(calls)]
+
+
+def _count(notes: dict, key: str, n: int = 1) -> None:
+    notes[key] = notes.get(key, 0) + n
+
+
+def _message(m, i: int, role_key: str, content_key: str, role_map: dict, where: str, notes: dict) -> dict:
+    if not isinstance(m, dict) or m.get(role_key) is None or (content_key not in m and "tool_calls" not in m):
+        keys = sorted(m) if isinstance(m, dict) else type(m).__name__
+        raise BadSample(where, f"message {i} must be an object with '{role_key}' and '{content_key}' (got {keys}).",
+                        "every message needs both; map other key names with data.sources[i].columns: "
+                        "{role: <your key>, content: <your key>}.")
+    raw = m[role_key]
+    role = role_map.get(raw) if isinstance(raw, str) else None
+    if role is None:
+        alias = ROLE_ALIASES.get(str(raw).lower())
+        raise BadSample(where, f"message {i} has unknown role '{raw}'.",
+                        f"use one of {sorted(ROLES)}" + (f" ('{raw}' is probably '{alias}')" if alias else "")
+                        + f", or map it in the recipe: data.sources[i].roles: {{{raw}: {alias or 'user'}}}.")
+    content = m.get(content_key)
+    msg: dict = {"role": "assistant" if role == "tool_call" else role}
+    # A tool-call turn's null content is left out, as apply_chat_template does (templates test for the key)
+    if role == "tool_call":  # ShareGPT's function_call turn: the value is the call
+        msg["tool_calls"] = _sharegpt_call(content, where, i)
+    elif m.get("tool_calls") is not None:
+        if role != "assistant":
+            raise BadSample(where, f"message {i}: 'tool_calls' on a {role} turn.",
+                            "tool calls belong to assistant turns.")
+        if content is not None and not isinstance(content, str):
+            raise BadSample(where, f"message {i} (assistant) content must be a string or null, got "
+                                   f"{type(content).__name__}.", "store text content as a JSON string.")
+        if content is not None:
+            msg["content"] = content
+        msg["tool_calls"] = _tool_calls(m["tool_calls"], where, i)
+    elif role == "tool":
+        if not isinstance(content, str):  # a tool may return nothing (""), but what it returns is text
+            raise BadSample(where, f"message {i} (tool) content must be a string, got {type(content).__name__}.",
+                            "store the tool's result as a JSON string.")
+        msg["content"] = content
+    else:
+        msg["content"] = _text(content, where, f"message {i} ({role}) content")
+    if msg.get("tool_calls"):
+        _count(notes, "tool_call_turns")
+    if role == "system" and i != 0:
+        raise BadSample(where, f"message {i} is a system message after the first turn.",
+                        "put the system message first or merge it into a user turn.")
+    used = {role_key, content_key, "tool_calls"}
+    if msg["role"] == "tool":
+        for key in ("tool_call_id", "name"):  # which call this answers: the template's to render
+            if m.get(key) is not None:
+                msg[key] = m[key]
+                used.add(key)
+    if m.get("weight") is not None:  # OpenAI's per-turn loss switch
+        w = m["weight"]
+        ok = not isinstance(w, bool) and isinstance(w, (int, float)) and w in (0, 1)
+        if not ok or (w == 1 and msg["role"] != "assistant"):
+            raise BadSample(where, f"message {i} ({msg['role']}): weight {w!r}: only 0 or 1, and 1 only on assistant "
+                                   f"turns (zerotune trains on assistant turns alone).",
+                            "set \"weight\": 0 (no loss) or 1 on assistant turns, or remove it.")
+        if w == 0 and msg["role"] == "assistant":
+            msg["weight"] = 0
+            _count(notes, "assistant_turns_weight_0")
+        used.add("weight")
+    if m.get("truncated") is not None:  # changes what is trained: honoured or refused, never ignored
+        if msg["role"] != "assistant" or not isinstance(m["truncated"], bool) or (m["truncated"]
+                                                                                 and msg.get("tool_calls")):
+            raise BadSample(where, f"message {i}: 'truncated' must be true or false, on an assistant turn.",
+                            "set \"truncated\": true on an assistant reply that was cut off, or remove it.")
+        if m["truncated"]:
+            msg["truncated"] = True
+        used.add("truncated")
+    for key, v in m.items():
+        if key in used or v is None:
+            continue
+        if key in NOT_READ:
+            raise BadSample(where, f"message {i}: key '{key}' would change what is trained, and zerotune does not "
+                                   f"read it.", f"{NOT_READ[key]}; or remove it.")
+        _count(notes, f"message:{key}")
+    return msg
+
+
+def validate_messages(msgs: list, where: str, role_key: str = "role", content_key: str = "content",
+                      role_map: dict | None = None, notes: dict | None = None) -> list[dict]:
+    """Chat messages in our form: role, content, and what the template or the labels read (tool_calls,
+    tool_call_id/name on tool turns, weight 0, truncated). Ignored message keys are counted into `notes`."""
+    notes = {} if notes is None else notes
+    role_map = _OUR_ROLES if role_map is None else role_map
+    out = [_message(m, i, role_key, content_key, role_map, where, notes) for i, m in enumerate(msgs)]
+    assistant = [m for m in out if m["role"] == "assistant"]
+    if not assistant:
+        raise BadSample(where, "conversation has no assistant turn, so it has no label tokens (its loss would be 0/0 = NaN).",
+                        "add an assistant reply or remove the row.")
+    if all(m.get("weight") == 0 for m in assistant):
+        raise BadSample(where, "every assistant turn has weight 0, so the conversation has no label tokens (its loss "
+                               "would be 0/0 = NaN).", "give one assistant turn weight 1 or remove the row.")
+    return out
+
+
+def _sharegpt_shaped(msgs, role_key: str) -> bool:
+    return (isinstance(msgs, list) and bool(msgs) and isinstance(msgs[0], dict) and role_key not in msgs[0]
+            and "from" in msgs[0] and "value" in msgs[0])
+
+
+def _chat(row: dict, fmt: str, columns: dict, where: str, roles: dict, notes: dict) -> tuple[list[dict], set]:
+    cols = {**CHAT_COLUMNS[fmt], **columns}
+    if fmt == "messages" and cols["messages"] not in row and "messages" not in columns \
+            and _sharegpt_shaped(row.get("conversations"), cols["role"]):
+        cols["messages"] = "conversations"  # the usual ShareGPT row under the default format: detected below
+    msgs = _json_cell(_get(row, "messages", cols, where, fmt), where, cols["messages"])
+    if not isinstance(msgs, list) or not msgs:
+        raise BadSample(where, f"'{cols['messages']}' must be a non-empty list of messages.")
+    if fmt == "messages" and _sharegpt_shaped(msgs, cols["role"]):
+        # {from, value} messages: ShareGPT under format messages. Read as such and counted; prepare says so.
+        fmt = "sharegpt"
+        cols = {**CHAT_COLUMNS["sharegpt"], **{k: v for k, v in columns.items() if k != "messages"},
+                "messages": cols["messages"]}
+        _count(notes, "detected_sharegpt")
+    role_map = {**(SHAREGPT_ROLES if fmt == "sharegpt" else _OUR_ROLES), **roles}
+    out = validate_messages(msgs, where, cols["role"], cols["content"], role_map, notes)
+    system = _system(row, cols, where, fmt)
+    if system and out[0]["role"] == "system":
+        raise BadSample(where, f"the row has both a '{cols.get('system', 'system')}' field and a system message.",
+                        "keep one of them.")
+    return system + out, {cols["messages"], cols.get("system", "system"), cols.get("tools", "tools")}
+
+
+def read_row(row: dict, fmt: str, columns: dict, where: str, roles: dict | None = None,
+             tools: list | None = None) -> Doc:
+    """A row of `fmt` -> Doc. `tools`: the source's tool definitions, for rows without their own."""
+    notes: dict = {}
     if fmt == "text":
-        return _text(_get(row, "text", columns, where, fmt), where, "text")
-    if fmt == "instruction":
+        conv, used = _text(_get(row, "text", columns, where, fmt), where, "text"), {columns.get("text", "text")}
+    elif fmt in CHAT_COLUMNS:
+        conv, used = _chat(row, fmt, columns, where, roles or {}, notes)
+    elif fmt == "instruction":
         instr = _text(_get(row, "instruction", columns, where, fmt), where, "instruction")
         extra = _get(row, "input", columns, where, fmt)
         if extra is not None and not isinstance(extra, str):
             raise BadSample(where, f"input must be a string, got {type(extra).__name__}.")
         user = f"{instr}\n\n{extra}" if extra and extra.strip() else instr
-        msgs = _system(row, columns, where, fmt) + [
+        conv = validate_messages(_system(row, columns, where, fmt) + [
             {"role": "user", "content": user},
-            {"role": "assistant", "content": _get(row, "output", columns, where, fmt)}]
+            {"role": "assistant", "content": _get(row, "output", columns, where, fmt)}], where)
+        used = {columns.get(k, k) for k in ("instruction", "input", "output", "system", "tools")}
     elif fmt == "prompt_completion":
-        msgs = _system(row, columns, where, fmt) + [
+        conv = validate_messages(_system(row, columns, where, fmt) + [
             {"role": "user", "content": _get(row, "prompt", columns, where, fmt)},
-            {"role": "assistant", "content": _get(row, "completion", columns, where, fmt)}]
-    elif fmt == "messages":
-        msgs = _get(row, "messages", columns, where, fmt)
-        if isinstance(msgs, str) and msgs.lstrip().startswith("["):  # CSV cells hold JSON text
-            try:
-                msgs = json.loads(msgs)
-            except json.JSONDecodeError as e:
-                raise BadSample(where, f"'messages' holds malformed JSON ({e.msg}).") from None
-        if not isinstance(msgs, list) or not msgs:
-            raise BadSample(where, "'messages' must be a non-empty list of {role, content} objects.")
+            {"role": "assistant", "content": _get(row, "completion", columns, where, fmt)}], where)
+        used = {columns.get(k, k) for k in ("prompt", "completion", "system", "tools")}
     else:  # the schema's Literal makes this unreachable from a recipe
         raise ValueError(f"unknown format {fmt}")
-    return validate_messages(msgs, where)
+    if fmt != "text":
+        own = normalize_tools(_get(row, "tools", columns, where, fmt), where, columns.get("tools", "tools"))
+        tools = own if own is not None else tools  # a row's own tools replace the source's
+        if tools:
+            _count(notes, "rows_with_tools")
+    for key, v in row.items():
+        if key in used or v is None:
+            continue
+        if key in NOT_READ or key == "weight":
+            why = NOT_READ.get(key, "zerotune weighs sources (data.sources[i].weight) and assistant turns "
+                                    "(\"weight\" on a message), not rows")
+            raise BadSample(where, f"row key '{key}' would change what is trained, and zerotune does not read it.",
+                            f"{why}; or remove it.")
+        _count(notes, f"row:{key}")
+    return Doc(conv, tools if fmt != "text" else None, notes or None)
 
 
-def validate_messages(msgs: list, where: str) -> list[dict]:
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            keys = sorted(m) if isinstance(m, dict) else type(m).__name__
-            fix = ("this looks like ShareGPT ({from, value}); convert to {role, content} first."
-                   if isinstance(m, dict) and {"from", "value"} <= set(m) else "every message needs 'role' and 'content'.")
-            raise BadSample(where, f"message {i} must be an object with 'role' and 'content' (got {keys}).", fix)
-        role = m["role"]
-        if role not in ROLES:
-            alias = ROLE_ALIASES.get(str(role).lower())
-            raise BadSample(where, f"message {i} has unknown role '{role}'.",
-                            f"use one of {sorted(ROLES)}" + (f" ('{role}' is probably '{alias}')" if alias else "")
-                            + "; rename roles before preparing.")
-        if role == "system" and i != 0:
-            raise BadSample(where, f"message {i} is a system message after the first turn.",
-                            "put the system message first or merge it into a user turn.")
-        out.append({"role": role, "content": _text(m["content"], where, f"message {i} ({role}) content")})
-    if not any(m["role"] == "assistant" for m in out):
-        raise BadSample(where, "conversation has no assistant turn, so it has no label tokens (its loss would be 0/0 = NaN).",
-                        "add an assistant reply or remove the row.")
-    return out
+def to_messages(row: dict, fmt: str, columns: dict, where: str, roles: dict | None = None) -> list[dict] | str:
+    """Chat messages for chat formats, a string for `text` (read_row without the tools and notes)."""
+    return read_row(row, fmt, columns, where, roles).conv

@@ -24,7 +24,8 @@ import multiprocessing as mp
 import os
 import shutil
 import time
-from collections import deque
+from array import array
+from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
@@ -34,12 +35,14 @@ from .. import manifest as mf
 from ..config import Recipe, resolve_path
 from ..errors import MissingInputError, UserError
 from ..layout import layout
-from .formats import to_messages
+from .formats import read_row
 from .packing import best_fit_decreasing, iter_packed
+from .replay import replay_key, replay_source
 from .sources import SKIP_HINT, BadSample, mixture, mixture_plan
 from .tokenize import IGNORE, ChatRenderer, encode_batch, require_chat_template
 
-FORMAT_VERSION = 2  # bump when the on-disk layout or labelling rules change
+FORMAT_VERSION = 4  # bump when the on-disk layout or labelling rules change (3: "truncated" assistant turns;
+# 4: per-turn weight, tools and tool calls, ShareGPT)
 CHUNK_ROWS = 256  # rows per tokenization task
 WRITE_TOKENS = 1 << 22  # tokens buffered before an Arrow record batch is written
 
@@ -107,6 +110,8 @@ def fingerprint(r: Recipe, tok) -> dict:
         "versions": {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
                      "datasets": datasets.__version__},
     }
+    if r.data.replay:  # what its answers depend on (weights, prompts, template): other answers, other data
+        parts["replay"] = replay_key(r, tok)["inputs"]
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return {"fingerprint": digest, "inputs": parts}
 
@@ -135,43 +140,45 @@ def fingerprint_diff(old: dict, new: dict) -> list[str]:
 _ENC: dict = {}
 
 
-def _init_worker(tok):
+def _init_worker(tok, name: str):
     _ENC["tok"] = tok
-    _ENC["render"] = ChatRenderer(tok) if getattr(tok, "chat_template", None) else None
+    _ENC["render"] = ChatRenderer(tok, name) if getattr(tok, "chat_template", None) else None
 
 
 def _encode_chunk(chunk: list[tuple]) -> list[tuple]:
-    """[(where, fmt, columns, data, error, loss_on)] -> [(where, (ids, labels) | BadSample)]."""
+    """[(source, where, spec, data, error, loss_on)] -> [(source, where, (ids, labels) | BadSample, notes)];
+    spec = (format, columns, roles, tools) of the source, notes = what formats.read_row says to count."""
     tok, render = _ENC["tok"], _ENC["render"]
     results: list = [None] * len(chunk)
     items, slots = [], []
-    for k, (where, fmt, columns, data, error, loss_on) in enumerate(chunk):
+    for k, (src, where, (fmt, columns, roles, tools), data, error, loss_on) in enumerate(chunk):
         if error is not None:
-            results[k] = (where, error)
+            results[k] = (src, where, error, None)
             continue
         try:
-            conv = to_messages(data, fmt, columns, where)
+            doc = read_row(data, fmt, columns, where, roles, tools)
         except BadSample as e:
-            results[k] = (where, e)
+            results[k] = (src, where, e, None)
             continue
-        items.append((where, conv, loss_on))
-        slots.append(k)
-    for k, res in zip(slots, encode_batch(tok, render, items)):
-        results[k] = (chunk[k][0], res)
+        items.append((where, doc.conv, loss_on, doc.tools))
+        slots.append((k, doc.notes))
+    for (k, notes), res in zip(slots, encode_batch(tok, render, items)):
+        # a row refused while rendering counts as bad only: what it would have contributed is not counted
+        results[k] = (chunk[k][0], chunk[k][1], res, None if isinstance(res, BadSample) else notes)
     return results
 
 
-def _ordered_map(fn, chunks, num_proc: int, tok):
+def _ordered_map(fn, chunks, num_proc: int, tok, name: str):
     """map(fn, chunks) in order; with num_proc > 1 in a process pool with a bounded number of chunks in flight
     (Pool.imap would read the whole input ahead into memory)."""
     if num_proc <= 1:
-        _init_worker(tok)
+        _init_worker(tok, name)
         yield from map(fn, chunks)
         return
     methods = mp.get_all_start_methods()
     ctx = mp.get_context("fork" if "fork" in methods else "spawn")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # a forked Rust thread pool can deadlock
-    with ctx.Pool(num_proc, initializer=_init_worker, initargs=(tok,)) as pool:
+    with ctx.Pool(num_proc, initializer=_init_worker, initargs=(tok, name)) as pool:
         pending: deque = deque()
         for c in chunks:
             pending.append(pool.apply_async(fn, (c,)))
@@ -242,11 +249,11 @@ class DocStore:
         return ids[off[j]: off[j + 1]], labels[off[j]: off[j + 1]]
 
 
-def _jobs(r: Recipe, plan):
+def _jobs(r: Recipe, sources: list, plan):
     chunk = []
-    for row in mixture(r.data.sources, r.data.seed, plan):
-        src = r.data.sources[row.source]
-        chunk.append((row.where, src.format, src.columns, row.data, row.error, r.data.loss_on))
+    specs = [(s.format, s.columns, s.roles, s.tools) for s in sources]  # one object per source: pickled once a chunk
+    for row in mixture(sources, r.data.seed, plan):
+        chunk.append((row.source, row.where, specs[row.source], row.data, row.error, r.data.loss_on))
         if len(chunk) >= CHUNK_ROWS:
             yield chunk
             chunk = []
@@ -254,29 +261,38 @@ def _jobs(r: Recipe, plan):
         yield chunk
 
 
-def tokenize_to_disk(r: Recipe, tok, path: Path) -> dict:
-    """Stream rows -> documents in `path`; returns counts, per-document lengths and label counts."""
+def tokenize_to_disk(r: Recipe, tok, path: Path, sources: list | None = None) -> dict:
+    """Stream rows of `sources` (default the recipe's) -> documents in `path`; returns counts, per-document lengths
+    and label counts."""
+    sources = r.data.sources if sources is None else sources
     counts = {"rows_in": 0, "bad_skipped": 0, "truncated": 0, "dropped_overlong": 0, "dropped_no_labels": 0,
               "docs_out": 0}
     bad_examples: list[str] = []
-    plan = mixture_plan(r.data.sources, r.data.seed)
+    plan = mixture_plan(sources, r.data.seed)
     total = sum(p["taken"] for p in plan)
-    lengths, n_labels = [], []
+    # 4 bytes per document each (a Python list of ints would take ~36): what grows with the data set in this process
+    lengths, n_labels = array("i"), array("i")
+    per_source = [{"docs": 0, "bad_skipped": 0, "notes": Counter()} for _ in sources]
     writer = DocWriter(path)
     seq_len = r.data.seq_len
     try:
         with tqdm(total=total, desc="data: tokenize", unit="row", mininterval=2, disable=None) as bar:
-            for results in _ordered_map(_encode_chunk, _jobs(r, plan), r.data.num_proc, tok):
+            for results in _ordered_map(_encode_chunk, _jobs(r, sources, plan), r.data.num_proc, tok,
+                                        r.model.tokenizer):
                 bar.update(len(results))
-                for where, res in results:
+                for src, where, res, notes in results:
                     counts["rows_in"] += 1
+                    mine = per_source[src]
                     if isinstance(res, BadSample):
                         if r.data.on_bad_sample == "error":
                             raise BadSample(res.where, res.reason, (res.fix + " " if res.fix else "") + SKIP_HINT)
                         counts["bad_skipped"] += 1
+                        mine["bad_skipped"] += 1
                         if len(bad_examples) < 20:
                             bad_examples.append(str(res))
                         continue
+                    if notes:
+                        mine["notes"].update(notes)
                     ids, labels = res
                     if len(ids) > seq_len:
                         if r.data.overlong == "drop":
@@ -292,13 +308,47 @@ def tokenize_to_disk(r: Recipe, tok, path: Path) -> dict:
                     writer.add(ids, labels)
                     lengths.append(len(ids))
                     n_labels.append(n_lab)
+                    mine["docs"] += 1
     finally:
         writer.close()
     counts["docs_out"] = len(lengths)
-    per_source = [{"path": s.path, "weight": s.weight, "rows": p["rows"], "taken": p["taken"]}
-                  for s, p in zip(r.data.sources, plan)]
-    return {"counts": counts, "bad_examples": bad_examples, "sources": per_source,
+    return {"counts": counts, "bad_examples": bad_examples,
+            "sources": [_source_entry(s, p, mine) for s, p, mine in zip(sources, plan, per_source)],
             "lengths": np.asarray(lengths, dtype=np.int64), "n_labels": np.asarray(n_labels, dtype=np.int64)}
+
+
+def _source_entry(src, plan: dict, mine: dict) -> dict:
+    """A source in the manifest: its rows, what became of them, and what formats.read_row counted (over the rows
+    read and not refused; a source with weight 2 is read twice)."""
+    notes = mine["notes"]
+    keys = {kind: {k.split(":", 1)[1]: n for k, n in sorted(notes.items(), key=lambda kv: (-kv[1], kv[0]))
+                   if k.startswith(kind[:-1] + ":")} for kind in ("rows", "messages")}
+    return {"path": src.path, "format": src.format, "weight": src.weight, "rows": plan["rows"],
+            "taken": plan["taken"], "bad_skipped": mine["bad_skipped"], "docs": mine["docs"],
+            "detected_sharegpt": notes["detected_sharegpt"], "rows_with_tools": notes["rows_with_tools"],
+            "tool_call_turns": notes["tool_call_turns"],
+            "assistant_turns_weight_0": notes["assistant_turns_weight_0"], "ignored_keys": keys}
+
+
+def source_lines(sources: list[dict]) -> list[str]:
+    """What the log says about each source beyond the totals: a format detected, keys ignored, tools, weights."""
+    lines = []
+    for s in sources:
+        said = []
+        if s.get("detected_sharegpt"):
+            said.append(f"{s['detected_sharegpt']:,} rows are ShareGPT ({{from, value}} messages) under format "
+                        f"{s['format']}: read as format sharegpt (set it in the recipe to say so)")
+        ignored = [f"{k} ({n:,} {kind})" for kind in ("rows", "messages") for k, n in s["ignored_keys"][kind].items()]
+        if ignored:
+            said.append("ignored keys: " + ", ".join(ignored))
+        tools = [f"{s[k]:,} {what}" for k, what in (("rows_with_tools", "rows with tools"),
+                                                     ("tool_call_turns", "tool-call turns"),
+                                                     ("assistant_turns_weight_0", "assistant turns with weight 0 "
+                                                                                  "(no loss)")) if s.get(k)]
+        if tools:
+            said.append(", ".join(tools))
+        lines += [f"data: {s['path']}: {x}" for x in said]
+    return lines
 
 
 def _split_eval(n: int, frac: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -419,7 +469,13 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
     work.mkdir(parents=True)
     t0 = time.perf_counter()
     try:
-        info = tokenize_to_disk(r, tok, work / "docs.arrow")
+        sources, replay = list(r.data.sources), None
+        if r.data.replay:  # the base model's answers join as one more source (data/replay.py)
+            task_rows = sum(p["taken"] for p in mixture_plan(sources, r.data.seed))
+            src, replay = replay_source(r, tok, task_rows, replay_key(r, tok))
+            sources.append(src)
+            t0 = time.perf_counter()  # answering has its own time (replay.seconds)
+        info = tokenize_to_disk(r, tok, work / "docs.arrow", sources)
         t1 = time.perf_counter()
         lengths, n_labels = info.pop("lengths"), info.pop("n_labels")
         if len(lengths) == 0:
@@ -446,6 +502,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
                         "efficiency": round(real / tr["total_tokens"], 4) if r.data.packing else None},
             "doc_length": _percentiles(lengths),
             "pad_token_id": tok.pad_token_id,
+            "replay": replay,
             "timing_s": {"tokenize": round(t1 - t0, 2), "pack_and_write": round(t2 - t1, 2)},
         }
         if histogram:
@@ -456,6 +513,8 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     mf.publish(tmp, out)
+    for line in source_lines(info["sources"]):
+        print(line)
     c = info["counts"]
     print(f"data: {c['rows_in']} rows -> {c['docs_out']} documents ({c['bad_skipped']} bad skipped, "
           f"{c['truncated']} truncated, {c['dropped_overlong']} dropped as over-long, {c['dropped_no_labels']} dropped "

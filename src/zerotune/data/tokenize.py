@@ -3,16 +3,22 @@
 The tokenizer's own chat template renders the conversation. Labels are found
 from character spans: the text rendered for messages[:i] plus the generation
 prompt is where assistant turn i starts, the text for messages[:i+1] is where it
-ends (its end-of-turn token included). One tokenization with offsets then maps
+ends (its end-of-turn token included; a turn marked `"truncated": true` ends with its
+own text, so a cut-off reply does not teach stopping there). One tokenization with offsets then maps
 spans to tokens: a token is a label when it ends inside a span (so a token that
 merges the prompt's trailing space with the reply's first word is a label). This
 works for any template with the prefix property, which is checked per sample
 rather than assumed. The ids are exactly those of
 `tok.apply_chat_template(messages, tokenize=True)` (tests check it).
 
+Which assistant turns carry labels: all of them (`loss_on: all_assistant`) or the last, less those marked
+`"weight": 0` (OpenAI's per-turn switch), tool-call turns included. Tools (`tools=`) are rendered by the
+template itself, as `apply_chat_template(..., tools=...)` does; a conversation that uses tools, tool calls or
+tool replies is refused, naming the tokenizer, when probes show the template drops them (ChatRenderer.require).
+
 Speed: the compiled Jinja template is called directly (about 3x cheaper than
 `apply_chat_template`, verified equal on the first conversation of every
-process, else we fall back), and a chunk of samples is tokenized with one
+process, and on the first with tools, else we fall back), and a chunk of samples is tokenized with one
 `encode_batch` call.
 """
 
@@ -32,18 +38,43 @@ class TemplateError(UserError, ValueError):
 
 def require_chat_template(tok, where: str) -> None:
     if not getattr(tok, "chat_template", None):
-        raise TemplateError(f"tokenizer {where} has no chat template, so chat data (formats messages, instruction, "
-                            "prompt_completion) cannot be rendered. Fix: use a tokenizer that has one (e.g. the "
+        raise TemplateError(f"tokenizer {where} has no chat template, so chat data (formats messages, sharegpt, "
+                            "instruction, prompt_completion) cannot be rendered. Fix: use a tokenizer that has one (e.g. the "
                             "Instruct model's), add `chat_template` to its tokenizer_config.json, or use format: text.")
+
+
+# Probe conversations: a template renders a feature when the probe's marker comes out in its text. Each probe
+# goes without the others' features, so each answer is about that feature alone.
+_PROBE_USER = {"role": "user", "content": "Hi"}
+_PROBE_CALL = {"role": "assistant", "tool_calls": [{"id": "call0", "type": "function", "function": {
+    "name": "zerotune_probe_call", "arguments": {"q": "x"}}}]}
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "zerotune_probe_tool", "description": "A probe.",
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "q": {"type": "string"}}, "required": ["q"]}}}]
+TOOL_PROBES = {  # feature -> (messages, generation prompt, tools, marker)
+    "tools": ([_PROBE_USER], True, _PROBE_TOOLS, "zerotune_probe_tool"),
+    "tool calls": ([_PROBE_USER, _PROBE_CALL], False, None, "zerotune_probe_call"),
+    "tool replies": ([_PROBE_USER, {"role": "assistant", "content": "Calling."},
+                      {"role": "tool", "tool_call_id": "call0", "name": "zerotune_probe_call",
+                       "content": "zerotune_probe_result"}], True, None, "zerotune_probe_result"),
+}
+
+
+def tool_features(msgs: list[dict], tools) -> list[str]:
+    """Which TOOL_PROBES features a conversation uses."""
+    return [f for f, used in (("tools", bool(tools)), ("tool calls", any(m.get("tool_calls") for m in msgs)),
+                              ("tool replies", any(m["role"] == "tool" for m in msgs))) if used]
 
 
 class ChatRenderer:
     """`apply_chat_template(..., tokenize=False)`, faster, with a self-check against the original."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, name: str | None = None):
         self.tok = tok
+        self.name = name or getattr(tok, "name_or_path", None) or "the tokenizer"  # for messages
         self._fast = None
-        self._checked = False
+        self._checked: set = set()
+        self._support: dict | None = None
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -52,28 +83,53 @@ class ChatRenderer:
         except Exception:  # noqa: BLE001 - private API; the slow path is always correct
             self._fast = None
 
-    def _slow(self, msgs, gen):
-        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    def _slow(self, msgs, gen, tools=None):
+        return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
 
-    def __call__(self, msgs: list[dict], gen: bool) -> str:
+    def __call__(self, msgs: list[dict], gen: bool, tools: list | None = None) -> str:
         if self._fast is not None:
             try:
-                text = self._fast.render(messages=msgs, add_generation_prompt=gen, **self._kw)
+                text = self._fast.render(messages=msgs, tools=tools, documents=None, add_generation_prompt=gen,
+                                         **self._kw)
             except Exception:  # noqa: BLE001 - e.g. the template's raise_exception(); the slow path reports it
                 text = None
             if text is not None:
-                if self._checked:
+                kind = tools is not None  # checked once without tools and once with
+                if kind in self._checked:
                     return text
-                self._checked = True
-                if text == self._slow(msgs, gen):
+                self._checked.add(kind)
+                if text == self._slow(msgs, gen, tools):
                     return text
                 self._fast = None  # differs from apply_chat_template: always use the original from now on
-        return self._slow(msgs, gen)
+        return self._slow(msgs, gen, tools)
+
+    def tool_support(self) -> dict:
+        """feature -> None if the template renders it, else why not (probed once)."""
+        if self._support is None:
+            self._support = {}
+            for feature, (msgs, gen, tools, marker) in TOOL_PROBES.items():
+                try:
+                    ok = marker in self(msgs, gen, tools)
+                    self._support[feature] = None if ok else "a probe's name does not come out in its text"
+                except Exception as e:  # noqa: BLE001 - a template that raises on it does not render it either
+                    self._support[feature] = f"it raised {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+        return self._support
+
+    def require(self, features: list[str], where: str) -> None:
+        for f in features:
+            why = self.tool_support()[f]
+            if why is not None:
+                raise BadSample(where, f"this conversation has {f}, but the chat template of {self.name} does not "
+                                       f"render them ({why}), so they cannot be trained.",
+                                "set model.tokenizer to a tokenizer whose chat template renders tools (an Instruct "
+                                "model's own, e.g. Llama-3.1-8B-Instruct's or Qwen2.5's), or remove the tool turns "
+                                "from the data.")
 
 
-def assistant_spans(render, msgs: list[dict], loss_on: str, where: str) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(render, msgs: list[dict], loss_on: str, where: str,
+                    tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
     try:
-        return _assistant_spans(render, msgs, loss_on, where)
+        return _assistant_spans(render, msgs, loss_on, where, tools)
     except BadSample:
         raise
     except Exception as e:  # noqa: BLE001 - jinja2 TemplateError from raise_exception() and friends
@@ -82,20 +138,39 @@ def assistant_spans(render, msgs: list[dict], loss_on: str, where: str) -> tuple
                         "or use a tokenizer whose template accepts it.") from None
 
 
-def _assistant_spans(render, msgs: list[dict], loss_on: str, where: str) -> tuple[str, list[tuple[int, int]]]:
-    full = render(msgs, False)
+def _assistant_spans(render, msgs: list[dict], loss_on: str, where: str,
+                     tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
+    needs = tool_features(msgs, tools)
+    if needs:
+        render.require(needs, where)
+    full = render(msgs, False, tools)
     spans = []
     idx = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if loss_on == "last_assistant":
         idx = idx[-1:]
+    idx = [i for i in idx if msgs[i].get("weight", 1) != 0]  # OpenAI's "weight": 0 = no loss on that turn
+    if not idx:
+        raise BadSample(where, f"no assistant turn carries labels (loss_on: {loss_on}; a turn with weight 0 has "
+                               "none), so the conversation's loss would be 0/0 = NaN.",
+                        "give that turn weight 1, set data.loss_on: all_assistant, or remove the row.")
     for i in idx:
-        start_text = render(msgs[:i], True) if i else ""
-        end_text = render(msgs[: i + 1], False)
+        start_text = render(msgs[:i], True, tools) if i else ""
+        end_text = render(msgs[: i + 1], False, tools)
         if not (full.startswith(start_text) and full.startswith(end_text) and len(end_text) > len(start_text)):
             raise BadSample(where, "the chat template does not render conversations prefix by prefix, "
                                    "so assistant tokens cannot be located.",
                             "use a template where rendering messages[:i] is a prefix of the full rendering.")
-        spans.append((len(start_text), len(end_text)))
+        end = len(end_text)
+        if msgs[i].get("truncated"):
+            # a reply cut off mid-way (data.replay at max_new_tokens): its text is trained, the template's
+            # end-of-turn after it is not, or the model would learn to stop where the cut fell
+            at = full.find(msgs[i]["content"], len(start_text), end)
+            if at < 0:
+                raise BadSample(where, f"message {i} is marked truncated, but the chat template changes its text, "
+                                       "so where the reply ends cannot be found.",
+                                "remove 'truncated', or strip the reply's surrounding whitespace.")
+            end = at + len(msgs[i]["content"])
+        spans.append((len(start_text), end))
     return full, spans
 
 
@@ -111,8 +186,9 @@ def labels_from_offsets(ids, offsets, spans) -> np.ndarray:
     return np.where(mask, ids, IGNORE).astype(np.int32)
 
 
-def encode_chat(tok, msgs: list[dict], loss_on: str, where: str, render=None) -> tuple[list[int], list[int]]:
-    text, spans = assistant_spans(render or ChatRenderer(tok), msgs, loss_on, where)
+def encode_chat(tok, msgs: list[dict], loss_on: str, where: str, render=None,
+                tools: list | None = None) -> tuple[list[int], list[int]]:
+    text, spans = assistant_spans(render or ChatRenderer(tok), msgs, loss_on, where, tools)
     enc = tok.backend_tokenizer.encode(text, add_special_tokens=False)
     return list(enc.ids), labels_from_offsets(enc.ids, enc.offsets, spans).tolist()
 
@@ -135,17 +211,17 @@ def encode_text(tok, text: str) -> tuple[list[int], list[int]]:
     return ids.tolist(), _text_labels(ids).tolist()
 
 
-def encode_batch(tok, render, items: list[tuple[str, object, str]]) -> list:
-    """items: (where, messages-or-text, loss_on) -> per item (ids int32, labels int32) or a BadSample."""
+def encode_batch(tok, render, items: list[tuple[str, object, str, list | None]]) -> list:
+    """items: (where, messages-or-text, loss_on, tools) -> per item (ids int32, labels int32) or a BadSample."""
     out: list = [None] * len(items)
     texts, meta = [], []
-    for k, (where, conv, loss_on) in enumerate(items):
+    for k, (where, conv, loss_on, tools) in enumerate(items):
         if isinstance(conv, str):
             texts.append(conv)
             meta.append((k, None))
             continue
         try:
-            text, spans = assistant_spans(render, conv, loss_on, where)
+            text, spans = assistant_spans(render, conv, loss_on, where, tools)
         except BadSample as e:
             out[k] = e
             continue

@@ -9,6 +9,9 @@ instant, per GPU (or on the host where host RAM is what runs out), against what 
     finalize      rank 0's CPU process that verifies and publishes the model (host RAM, planner/finalize.py)
     quantize      llama.cpp's convert_hf_to_gguf.py on the published 16-bit model (host RAM)
 
+Before the job, in the data step: `replay` (replay_plan), the base model answering data.replay's prompts in
+left-padded batches on one device (data/replay.py), its peak and its time.
+
 Outside the training step every phase shares what stays resident between steps: the model states (the same
 DeepSpeed estimate as the step), DeepSpeed's reduce buckets (allocated once, deepspeed 0.19.8
 runtime/zero/stage3.py:781-782) and the step's micro-batches, which stay bound until the next step fetches
@@ -50,14 +53,26 @@ def _gpu_phase(tensors: dict, capacity: int, world: int, on_gpu: bool, what: str
 # No-grad forward (validation, generation prefill)
 # ---------------------------------------------------------------------------------------------
 
-def nograd_layer_bytes(m: ModelShape, tokens: int, e: int, *, mask_rows: int = 0, liger: bool) -> dict:
+def nograd_layer_bytes(m: ModelShape, tokens: int, e: int, *, mask: tuple[int, int, int] | None = None,
+                       liger: bool, cached: bool = False, on_gpu: bool = False) -> dict:
     """Peak bytes inside one decoder layer under torch.no_grad(), beyond the residual stream entering it.
     Nothing is saved for backward; what is alive is the layer's own temporaries (transformers 5.23
     models/llama/modeling_llama.py, LlamaDecoderLayer.forward: `residual` + the block's input and output).
 
-    mask_rows: S when a dense (1, 1, S, S) mask reaches SDPA (packed rows), else 0 (is_causal, no mask).
-      Then integrations/sdpa_attention.py:137-138 repeats k and v to all query heads (use_gqa_in_sdpa, :52,
-      needs attention_mask None) and the kernel gets the bool mask converted to the query dtype: S x S x e.
+    mask: (rows, q_len, kv_len) when a dense (rows, 1, q_len, kv_len) mask reaches SDPA, else None (is_causal, no
+      mask). Packed validation rows: (1, S, S); left-padded generation: (B, S, S) in prefill, (B, 1, L) per
+      decode step. With a mask, use_gqa_in_sdpa (integrations/sdpa_attention.py:52) refuses native GQA: a q_len > 1
+      gets k and v repeated to all query heads (:137-138; a copy only when 1 < kv heads < heads: repeat_kv returns
+      k itself or a view otherwise, :26-30), a single query token is regrouped instead (:132-134, pack_gqa, a
+      view). torch converts the bool mask to the query dtype (aten/src/ATen/native/transformers/attention.cpp,
+      convert_boolean_attn_mask: at::where, a new tensor; the CPU kernel too, measured in
+      tests/test_phase_memory.py); on CUDA the memory-efficient kernel (the V100's and T4's) pads it to aligned
+      columns first (preprocess_mask -> pad_bias: a second copy beside the first), counted unless kv_len is a
+      multiple of 16. Read in upstream attention.cpp (torch's C++ is not in the wheel; not checked on a GPU here):
+      torch 2.5+ pads to 8 before broadcasting to the heads; torch 2.1 padded to 16 after, heads x larger.
+    cached: generate() fills a DynamicCache: DynamicLayer.update copies k and v into it (cache_utils.py:136-137) and
+      the attention rebinds key_states/value_states to the cache's tensors (modeling_llama.py:251), so past RoPE the
+      layer holds only q; the cache is the caller's term.
     Blocks (the largest counts, they run one after another):
       norm       HF LlamaRMSNorm upcasts: the fp32 input and its pow(2) (8 B x T x h); Liger's kernel writes
                  only its output and 1/rms.
@@ -73,9 +88,15 @@ def nograd_layer_bytes(m: ModelShape, tokens: int, e: int, *, mask_rows: int = 0
     # HF: three q-sized temporaries, then q_embed beside three k-sized ones (more when kv heads = heads)
     rope = e * T * (m.q_dim + m.kv_dim) if liger else e * T * max(3 * m.q_dim, m.q_dim + 3 * m.kv_dim)
     sdpa = 2 * e * T * m.q_dim  # output + contiguous copy
-    if mask_rows:
-        sdpa += 2 * e * T * m.q_dim + e * mask_rows * mask_rows  # repeat_kv'd k, v + mask in the query dtype
-    attention = e * T * h + qkv + max(rope, sdpa)
+    if mask:
+        rows, q_len, kv_len = mask
+        if q_len > 1 and 1 < m.kv_heads < m.heads:
+            sdpa += 2 * e * rows * kv_len * m.q_dim  # repeat_kv'd k, v
+        sdpa += e * rows * q_len * kv_len  # the mask in the query dtype
+        if on_gpu and kv_len % 16:
+            sdpa += e * rows * q_len * (kv_len + 16 - kv_len % 16)  # its padded copy (memory-efficient kernel)
+    # cached: k and v have moved into the cache by the time SDPA runs
+    attention = e * T * h + (max(qkv + rope, e * T * m.q_dim + sdpa) if cached else qkv + max(rope, sdpa))
     # after attention, `residual` (the sum) sits beside the layer's input the loop still holds (modeling_llama.py
     # :309 vs :391-392): one more e x T x h under the post-attention norm and the MLP (tests/test_phase_memory.py)
     post = e * T * h
@@ -109,13 +130,15 @@ def eval_loss_bytes(m: ModelShape, tokens: int, e: int, fused: bool) -> tuple[in
     return (e + up + 4) * T * V + labels, f"full logits ({8 * e}-bit){' + fp32 upcast' * bool(up)} + fp32 log-softmax"
 
 
-def nograd_forward_parts(m: ModelShape, tokens: int, e: int, *, mask_rows: int, liger: bool,
-                         loss: tuple[int, str] | None) -> dict:
+def nograd_forward_parts(m: ModelShape, tokens: int, e: int, *, mask: tuple[int, int, int] | None, liger: bool,
+                         loss: tuple[int, str] | None, cached: bool = False, on_gpu: bool = False) -> dict:
     """The transient terms of one no-grad forward: the largest layer block over the residual stream, or the
-    output layer (final norm output + loss / last-token logits) - whichever is larger (they are sequential)."""
-    layer = nograd_layer_bytes(m, tokens, e, mask_rows=mask_rows, liger=liger)
+    output layer (final norm output + loss / last-token logits) - whichever is larger (they are sequential).
+    mask, cached, on_gpu: as nograd_layer_bytes."""
+    layer = nograd_layer_bytes(m, tokens, e, mask=mask, liger=liger, cached=cached, on_gpu=on_gpu)
     head = e * tokens * m.hidden + (loss[0] if loss else 0)
-    rope = 2 * tokens * m.head_dim * e  # cos, sin for the row, shared by all layers
+    # cos, sin for the rows (shared by all layers): one per token when generate() gives per-row position_ids
+    rope = 2 * tokens * m.head_dim * e
     out = {"rotary cos/sin": rope}
     # LlamaModel.forward keeps inputs_embeds referenced through the whole layer loop (modeling_llama.py:370, :388)
     # beside each layer's input: two copies of the residual stream from the second layer on
@@ -126,6 +149,56 @@ def nograd_forward_parts(m: ModelShape, tokens: int, e: int, *, mask_rows: int, 
     else:
         out[f"output layer: {loss[1] if loss else 'last-token logits'}"] = head
     return out
+
+
+def generation_parts(m: ModelShape, *, rows: int, prompt: int, new_tokens: int, e: int, liger: bool, padded: bool,
+                     on_gpu: bool) -> tuple[dict, dict]:
+    """(prefill, decode): the transient terms of one greedy model.generate() call with a DynamicCache on `rows`
+    prompts of `prompt` tokens (left-padded to that width when `padded`), `new_tokens` new tokens each, at the two
+    instants that can peak. Sources: transformers 5.23 generation/utils.py, masking_utils.py, cache_utils.py,
+    models/llama/modeling_llama.py; checked against torch.profiler allocations on CPU (tests/test_phase_memory.py).
+
+    Token tensors (int64): the caller's input_ids and attention_mask; generate's position_ids (:906-908, cumsum of
+      the mask), which generate()'s own model_kwargs keep for the whole call (:3007-3015 passes a copy of the dict
+      to _sample); the forward's input_ids clone (:694). While decoding: the running input_ids (:3285), the mask the
+      step's forward got (held by model_inputs) and the next step's position_ids and mask (:1275, :1281), each
+      rows x (prompt + new); without padding no mask (dropped, below).
+    Mask: an attention_mask with zeros (left padding) is not skipped (masking_utils.py:307, _ignore_causal_mask_sdpa
+      needs it all ones) and sdpa_mask builds a (rows, 1, q_len, kv_len) bool mask (:552) that LlamaModel.forward
+      holds through every layer (modeling_llama.py:380); SDPA's own copies are in nograd_layer_bytes. An all-ones
+      mask is dropped by generate() (generation/utils.py:2897-2905): no mask, SDPA is_causal / native GQA.
+    Prefill: the prompt's KV cache, the forward over rows x prompt tokens, then the last position's logits only
+      (logits_to_keep=1, :2953-2954; modeling_llama.py:467) and their fp32 copy (:3247, copy=True even in fp32).
+    Decode: the cache at its longest (the last token is never fed back: prompt + new - 1). The step's forward runs
+      while the previous step's fp32 logits are still bound (next_token_logits, reassigned only after the new copy,
+      :3247): inside it DynamicLayer.update concatenates one layer's K, then V (cache_utils.py:136-137: one old
+      tensor beside its longer copy); after it the step's logits, the previous fp32 copy and the new one."""
+    T, kv = rows * prompt, 2 * m.layers * m.kv_dim * e  # kv: K and V per token, all layers
+    logits = rows * m.vocab * e
+    prefill = {"KV cache (prompt)": kv * T,
+               "token tensors (prompt ids + mask, position ids, ids copy)": 4 * 8 * T}
+    if padded:
+        prefill["attention mask (bool, rows x prompt x prompt)"] = rows * prompt * prompt
+    prefill.update(nograd_forward_parts(m, T, e, mask=(rows, prompt, prompt) if padded else None, liger=liger,
+                                        cached=True, on_gpu=on_gpu, loss=(logits + 4 * rows * m.vocab,
+                                                                          "last-token logits + fp32 copy")))
+    cache = prompt + new_tokens - 1
+    decode = {"KV cache (prompt + answer)": kv * rows * cache,
+              # running ids and positions, and with padding the masks (an all-ones one is dropped)
+              "token tensors (prompt's, running ids, masks, positions)":
+                  3 * 8 * T + (4 if padded else 2) * 8 * rows * (prompt + new_tokens),
+              "previous step's fp32 logits": 4 * rows * m.vocab}
+    step = {"cache concat (one layer)": m.kv_dim * e * rows * cache}
+    if padded:
+        step["attention mask (bool, rows x cache)"] = rows * cache
+    step.update(nograd_forward_parts(m, rows, e, mask=(rows, 1, cache) if padded else None, liger=liger, loss=None,
+                                     cached=True, on_gpu=on_gpu))
+    after = logits + 4 * rows * m.vocab
+    if sum(step.values()) >= after:
+        decode.update({f"decode step: {k}": v for k, v in step.items()})
+    else:
+        decode["last-token logits + fp32 copy"] = after
+    return prefill, decode
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,28 +234,19 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     mask = _attention_has_mask(attention, packing, 1)
     val = {**resident, **gathering, "eval row (input_ids, labels, position_ids)": 3 * 8 * seq,
            "attention mask": persistent_mask_bytes(1, seq, e, attention, packing),
-           **nograd_forward_parts(m, seq, e, mask_rows=seq if mask else 0, liger=liger,
+           **nograd_forward_parts(m, seq, e, mask=(1, seq, seq) if mask else None, liger=liger, on_gpu=on_gpu,
                                   loss=eval_loss_bytes(m, seq, e, fused=liger))}
     out["validation"] = _gpu_phase(
         val, gpu_capacity, world, on_gpu, f"eval loss, one {seq:,}-token row per forward, no grad",
         ("lower data.seq_len or use more GPUs (plan.gpus_per_node, plan.nodes)" if liger else
          "set train.liger=on (fused loss, no logits) or lower data.seq_len"), runs=validation_runs)
 
-    # samples: generate() greedy with a DynamicCache. The prompt's length is unknown before the tokenizer runs:
-    # bounded by data.seq_len (held-out prompts are shorter than the training rows). An all-ones attention
-    # mask lets SDPA run is_causal without a mask (masking_utils.py:267-300, _ignore_causal_mask_sdpa) and
-    # native GQA (sdpa_attention.py:52). generate() asks for the last position's logits only
-    # (generation/utils.py:2950-2954, logits_to_keep=1) and copies them to fp32 (:3247).
-    prompt, total = seq, seq + max_new_tokens
-    kv = 2 * m.layers * m.kv_dim * e  # K and V per token, all layers (cache_utils DynamicLayer)
-    prefill = {"KV cache (prompt)": kv * prompt,
-               "prompt (input_ids, attention_mask)": 2 * 8 * prompt,
-               **nograd_forward_parts(m, prompt, e, mask_rows=0, liger=liger,
-                                      loss=(m.vocab * (e + 4), "last-token logits"))}
-    # decoding: the cache at its longest; DynamicLayer.update concatenates one layer's K, then its V (cache_utils.py
-    # :136-137): one old tensor beside its longer copy at a time (measured, test_phase_memory)
-    decode = {"KV cache (prompt + answer)": kv * total, "cache concat (one layer)": m.kv_dim * e * total,
-              "last-token logits": m.vocab * (e + 4)}
+    # samples: generate() greedy with a DynamicCache, one prompt at a time (generation_parts). The prompt's length is
+    # unknown before the tokenizer runs: bounded by data.seq_len (held-out prompts are shorter than the training
+    # rows). Its attention mask is all ones: no mask reaches SDPA (generation_parts).
+    prompt = seq
+    prefill, decode = generation_parts(m, rows=1, prompt=prompt, new_tokens=max_new_tokens, e=e, liger=liger,
+                                       padded=False, on_gpu=on_gpu)
     gen = prefill if sum(prefill.values()) >= sum(decode.values()) else decode
     out["samples"] = _gpu_phase(
         {**resident, **gathering, **gen}, gpu_capacity, world, on_gpu,
@@ -243,6 +307,65 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     q = quantize_host_bytes(m, precision, quant_type)
     out["quantize"] = _phase(q["parts"], host_capacity, "host", q["what"],
                              "run `zerotune quantize` on a host with more RAM")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Self-distilled replay: the base model answers data.replay's prompts (data step, one device)
+# ---------------------------------------------------------------------------------------------
+
+# Share of the GPU's memory bandwidth that HF's eager generate() turns into weight reads per decode step, at
+# eval.batch_size 8 in fp16. An assumption, not measured on a V100. Why 0.6: a decode step reads every weight once
+# through skinny matmuls (cuBLAS streams them at roughly 80-90% of peak) between which Python launches ~40 small
+# kernels per layer (norms, RoPE, cache concat, the padding mask, SDPA, residual adds); on a V100 the 8B's 16 GB
+# of fp16 weights take 17.8 ms at 900 GB/s, longer than those launches, so the gaps cost a fraction, not a
+# multiple. Anchor: lmdeploy#210 measured HF transformers Llama-2-7B at 34 ms per token at batch 1 on an A10
+# (600 GB/s, 13.5 GB of weights: 22.5 ms at full bandwidth), 0.66. On A100/H100 the weights take 5-8 ms and the
+# launches dominate: the estimate is optimistic there (a per-step floor would be the next term to model).
+REPLAY_DECODE_EFFICIENCY = 0.6
+
+
+def replay_plan(m: ModelShape, *, prompts: int, batch: int, prompt_tokens: int, max_new_tokens: int, e: int,
+                on_gpu: bool, capacity: int, bandwidth_gbs: float | None = None, peak_tflops: float | None = None,
+                mfu: float | None = None) -> dict:
+    """Self-distilled replay's generation (data/replay.py answer -> answering.hf_answers): the whole model on one
+    device in the generation dtype (e bytes; not ZeRO-partitioned: load_hf moves the full model there), `batch`
+    left-padded prompts per generate() call, longest first, so the first batch is the widest: `prompt_tokens` (a
+    bound on the longest prompt) x `batch` rows, up to `max_new_tokens` each (generation_parts). One process: CUDA
+    context and fragmentation as for any GPU phase, no NCCL. CPU target (on_gpu False): host RAM (the interpreter
+    and libraries included), time unknown. Not modelled: host RAM while from_pretrained loads the model before
+    moving it to the GPU (about the weights again).
+
+    Time (GPU): per batch, every decode step reads all weights once plus the KV cache it attends over, at
+    bandwidth x REPLAY_DECODE_EFFICIENCY, or computes 2 x params FLOPs per row at peak x mfu, whichever is longer
+    (memory-bound at small batches); max_new_tokens such reads per batch (the prefill's own read is the first), plus
+    the prefill's 2 x params x rows x prompt FLOPs at peak x mfu (an upper bound: it counts lm_head for every
+    token, logits_to_keep=1 computes it for the last). Model load and tokenization are not counted."""
+    rows = max(1, min(batch, prompts))
+    weights = m.n_params * e
+    prefill, decode = generation_parts(m, rows=rows, prompt=prompt_tokens, new_tokens=max_new_tokens, e=e,
+                                       liger=False, padded=rows > 1, on_gpu=on_gpu)
+    tensors = {f"weights ({8 * e}-bit, whole model, one device)": weights,
+               **(prefill if sum(prefill.values()) >= sum(decode.values()) else decode)}
+    if not on_gpu:  # host RAM holds the process itself too, as in the other host phases
+        tensors["interpreter + libraries"] = INTERPRETER_BYTES
+    out = _gpu_phase(tensors, capacity, 1, on_gpu,
+                     f"greedy generate, {rows} x prompt <= {prompt_tokens:,} + {max_new_tokens} new tokens, KV cache",
+                     "lower eval.batch_size (prompts per generate() call) or data.replay.max_new_tokens, or shorten "
+                     "the longest prompts")
+    batches = math.ceil(prompts / batch)
+    out.update(rows=rows, batches=batches, generated_tokens_max=prompts * max_new_tokens, seconds=None)
+    if not (on_gpu and bandwidth_gbs and peak_tflops and mfu):
+        return out
+    kv = 2 * m.layers * m.kv_dim * e
+    flops_s = peak_tflops * 1e12 * mfu
+    read_s = bandwidth_gbs * 1e9 * REPLAY_DECODE_EFFICIENCY
+    steps = sum(max((weights + kv * rows * (prompt_tokens + t)) / read_s, 2 * m.n_params * rows / flops_s)
+                for t in range(max_new_tokens))
+    prefill_s = 2 * m.n_params * rows * prompt_tokens / flops_s
+    out.update(seconds=batches * (steps + prefill_s), decode_s=batches * steps, prefill_s=batches * prefill_s,
+               seconds_per_step=steps / max_new_tokens, mfu=mfu, efficiency=REPLAY_DECODE_EFFICIENCY,
+               memory_bound=weights / read_s >= 2 * m.n_params * rows / flops_s)
     return out
 
 

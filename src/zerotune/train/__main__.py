@@ -23,6 +23,11 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     role, run = argv[0], Path(argv[1])
+    from ..quiet import silence_known_noise
+
+    # every role, torchrun's too: it imports transformers' callbacks (checkpoint.py), hence peft and bitsandbytes,
+    # whose import logs a warning on CPUs with AVX512-BF16 (quiet.py)
+    silence_known_noise()
     if role == "torchrun":
         from .torchrun import run_torchrun
         return run_torchrun(run, argv[2:])
@@ -30,9 +35,7 @@ def main(argv: list[str]) -> int:
     from ..config import load_recipe
     from ..errors import MissingInputError, UserError, hand_off, report
     from ..layout import RunLayout
-    from ..quiet import silence_known_noise
 
-    silence_known_noise()
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     paths = RunLayout(run)
     try:
