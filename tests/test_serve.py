@@ -210,6 +210,21 @@ def assert_openai_error(r: httpx.Response, status: int, param=None, code=None, l
     return err
 
 
+def test_served_greedy_answers_are_the_checked_ones(server, client):
+    """What `make serve` answers at temperature 0 is what `zerotune check` scored: the GGUF through llama.cpp with
+    no repetition penalty (llama-cpp-python's server would apply 1.1 unless asked otherwise)."""
+    from zerotune.answering import gguf_answers, load_gguf
+
+    rows = [{"messages": [{"role": "user", "content": t}]} for t in
+            ("Repeat after me: red cat apple", "Repeat after me: blue dog tree tree tree", "Hello there")]
+    llm = load_gguf(server["gguf"], n_ctx=N_CTX, logits_all=False)
+    try:
+        checked, _ = gguf_answers(llm, rows, 24)
+    finally:
+        llm.close()
+    served = [_chat(client, server["name"], r["messages"][0]["content"], max_tokens=24)[0].strip() for r in rows]
+    assert served == checked
+
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_malformed_requests_get_an_openai_error_naming_the_field(server, case):
     path, body, status, param, code = MALFORMED[case]
