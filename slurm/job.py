@@ -2,7 +2,8 @@
 
   python slurm/job.py preflight RECIPE [section.key=value ...]
       Before srun starts any worker: the plan for this allocation (printed to the log), prepared data that
-      matches the recipe, the disk, the base model: what `zerotune finetune` checks before torchrun
+      matches the recipe, the disk, the base model, and a checkpoint written at another world size converted
+      for this allocation's (nodes x processes): what `zerotune finetune` does before torchrun
       (train.before_launch). stdout gets one line for the script: PROCS_PER_NODE DEVICE RUN_DIR.
       A user error: one message, exit 2.
       It also resolves the recipe (overrides and the allocation applied) into RUN_DIR/train/recipe.resolved.yaml,
@@ -21,12 +22,17 @@ import os
 import sys
 from pathlib import Path
 
-from zerotune import manifest as mf
-from zerotune.checkpoint import REQUEUE_EXIT, last_committed
-from zerotune.config import load_recipe
-from zerotune.errors import EXIT_CODE, UserError, report
-from zerotune.layout import RunLayout
-from zerotune.train.handoff import Outcome
+from zerotune.quiet import silence_known_noise
+
+# as every zerotune process does (cli.main), before the imports below load the libraries that log it
+silence_known_noise()
+
+from zerotune import manifest as mf  # noqa: E402
+from zerotune.checkpoint import REQUEUE_EXIT, last_committed  # noqa: E402
+from zerotune.config import load_recipe  # noqa: E402
+from zerotune.errors import EXIT_CODE, UserError, report  # noqa: E402
+from zerotune.layout import RunLayout  # noqa: E402
+from zerotune.train.handoff import Outcome  # noqa: E402
 
 
 def preflight(recipe: str, overrides: list[str]) -> int:
@@ -42,7 +48,7 @@ def preflight(recipe: str, overrides: list[str]) -> int:
         r = load_recipe(recipe, [*overrides, f"plan.nodes={nodes}", f"plan.gpus_per_node={procs}"])
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the script's one line
             print(format_plan(compute_plan(r)), flush=True)
-            before_launch(r)
+            before_launch(r, nodes * procs)
     except UserError as e:
         return report(e)
     print(procs, "GPU" if gpus else "CPU", r.out)

@@ -1,5 +1,5 @@
 """Finalize and resume checks (issue 19 items 1, 2, 8): a bounded probe, finalize's host RAM at 8B, and
-the world-size check of ZeRO-3 checkpoints. Unit tests: seconds, no training."""
+what a resume at another world size refuses (issue 34). Unit tests: seconds, no training."""
 
 from __future__ import annotations
 
@@ -86,23 +86,40 @@ def _fake_zero_checkpoint(root, ranks: int, step: int = 4):
     return ckpt
 
 
-def test_world_size_of_a_zero_checkpoint_is_checked(tmp_path):
-    from zerotune.checkpoint import check_world_size, saved_world_size
+def test_world_size_change_is_detected_and_refused_only_where_the_batch_or_order_cannot_stay(tmp_path):
+    """universal.needed/check, before anything is converted: one message each, naming the fix."""
+    import json
+
+    from zerotune import universal
+    from zerotune.checkpoint import MARKER, saved_world_size
 
     ckpt = _fake_zero_checkpoint(tmp_path / "checkpoints", 4)
     assert saved_world_size(ckpt) == 4
-    check_world_size(ckpt, 4)
-    check_world_size(None, 1)  # nothing to resume
-    with pytest.raises(UserError) as e:
-        check_world_size(ckpt, 2)
-    msg = str(e.value)
-    assert "written by 4 processes and this run has 2" in msg and "Resume with 4 GPUs" in msg
-    assert str(tmp_path / "checkpoints") in msg and "\n" not in msg
-    plain = tmp_path / "plain" / "checkpoint-2"  # no DeepSpeed (QLoRA): any world size may resume
+    assert universal.needed(ckpt, 4) is None and universal.needed(None, 1) is None
+    assert universal.needed(ckpt, 2) == 4
+    plain = tmp_path / "plain" / "checkpoint-2"  # no DeepSpeed (QLoRA): its optimizer.pt is whole, no conversion
     plain.mkdir(parents=True)
     (plain / "adapter_model.safetensors").write_bytes(b"")
-    assert saved_world_size(plain) is None
-    check_world_size(plain, 3)
+    assert saved_world_size(plain) is None and universal.needed(plain, 3) is None
+
+    # tiny: 1,024 tokens = 4 rows of 256 per step: 1, 2 or 4 processes keep it
+    r = load_recipe("tiny", [f"output_dir={tmp_path}"])
+    for world in (1, 2):
+        universal.check(r, ckpt, 4, world)
+    with pytest.raises(UserError) as e:
+        universal.check(r, ckpt, 4, 3)
+    msg = str(e.value)
+    assert "3 processes cannot split it evenly" in msg and "divides 4: 2 or 4" in msg and "\n" not in msg
+    with pytest.raises(UserError) as e:
+        universal.check(load_recipe("tiny", [f"output_dir={tmp_path}", "data.packing=false"]), ckpt, 4, 2)
+    assert "data.packing=false" in str(e.value) and "Resume with 4 processes" in str(e.value)
+    (ckpt / MARKER).write_text(json.dumps({"step": 4, "world_size": 4, "global_batch_tokens": 2048}))
+    with pytest.raises(UserError) as e:
+        universal.check(r, ckpt, 4, 2)
+    assert "trained with train.global_batch_tokens=2,048 and this run asks for 1,024" in str(e.value)
+    # at the checkpoint's own world size too (prepare() calls it for every resume, converted or not)
+    with pytest.raises(UserError, match="trained with train.global_batch_tokens=2,048"):
+        universal.check_batch(r, ckpt)
 
 
 def test_finalize_gets_the_jobs_cpus(monkeypatch):

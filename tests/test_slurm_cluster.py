@@ -1,7 +1,7 @@
 """slurm/*.sbatch on a real two-node SLURM cluster (scripts/slurm_local_cluster.sh): prepare -> finetune on 2 nodes
 x 1 CPU process (ZeRO-3 over gloo) -> a time-limit USR1 mid-run -> committed checkpoint -> automatic requeue ->
-resume -> the same per-step losses as an uninterrupted run -> quantize. Also a USR1 while the workers start, and
-scancel mid-run followed by a manual resubmit."""
+resume -> the same per-step losses as an uninterrupted run -> quantize. Also a USR1 while the workers start,
+scancel mid-run followed by a manual resubmit, and a 2-node checkpoint resubmitted on 1 node."""
 
 from __future__ import annotations
 
@@ -70,12 +70,18 @@ def reference(prepared, tiny_reference_10) -> Path:
     return tiny_reference_10
 
 
-def test_time_limit_warning_commits_requeues_resumes_and_quantizes(slurm, prepared, reference):
+@pytest.fixture(scope="module")
+def requeued(slurm, prepared) -> tuple[Path, str, dict]:
+    """The 2-node run stopped by a time-limit warning mid-run, requeued and finished: (run folder, job, its info)."""
     run = prepared
     job = finetune(slurm, run)
     wait_until(lambda: last_step(run) >= 3, "step 3")
     slurm.run("scancel", "--signal=USR1", "--batch", job)  # what SLURM's --signal=B:USR1@900 does
-    info = slurm.wait_final(job, restarts=1)
+    return run, job, slurm.wait_final(job, restarts=1)
+
+
+def test_time_limit_warning_commits_requeues_resumes_and_quantizes(slurm, requeued, reference):
+    run, job, info = requeued
     log = slurm.log(job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
     first, second = log.split("finetune: job {} attempt 2".format(job))
@@ -134,6 +140,32 @@ def test_usr1_at_startup_then_scancel_then_resubmit(slurm, prepared, reference, 
     assert info["JobState"] == "COMPLETED", log[-4000:]
     assert f"finetune: resuming from committed checkpoint {resume}" in log
     assert_matches_reference(reference, run)
+
+
+@pytest.mark.extended  # 57 s; the same conversion and resume, 2 -> 1 -> 2 processes, is CI's test_resume.py test
+def test_two_node_checkpoint_resumes_on_one_node(slurm, requeued, reference, tmp_path):
+    """A job that got 1 node instead of 2: its preflight converts the 2-node checkpoint for 1 x 1 process."""
+    src = requeued[0]
+    run = tmp_path / "run"
+    shutil.copytree(src / "data", run / "data")
+    shutil.copytree(src / "checkpoints" / "checkpoint-8", run / "checkpoints" / "checkpoint-8")  # by nodes n1 and n2
+    (run / "train").mkdir()
+    (run / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics(src) if r["step"] <= 8))
+    job = slurm.sbatch("--nodes=1", "--time=30", "slurm/finetune.sbatch", "tiny", f"output_dir={run}", *COMMON,
+                       "train.cpu_procs=1")
+    info = slurm.wait_final(job)
+    log = slurm.log(job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log[-4000:]
+    ckpt = run / "checkpoints" / "checkpoint-8"
+    assert (f"finetune: checkpoint-8 was written by 2 processes and this run has 1: converting it once to "
+            f"DeepSpeed's universal format in {ckpt / 'universal'}") in log
+    assert f"finetune: resuming from committed checkpoint {ckpt}" in log and "world size 2 -> 1" in log
+    assert "universal load checked" in log and "Traceback" not in log
+    assert log.rstrip().endswith(f"finetune: finished: model published in {run / 'model'}")
+    a, b = metrics(reference), metrics(run)
+    assert [r["step"] for r in b if "loss" in r] == list(range(1, STEPS + 1))
+    for x, y in zip(a, (r for r in b if "loss" in r)):
+        assert y["loss"] == pytest.approx(x["loss"], abs=5e-6), (x, y)  # test_resume.py's LOSS_ABS, and why
 
 
 def _alive(pids: Path) -> bool:

@@ -72,26 +72,11 @@ def last_committed(ckpt_root: Path, quiet: bool = False) -> Path | None:
 def saved_world_size(ckpt: Path) -> int | None:
     """How many data-parallel ranks wrote this checkpoint's ZeRO optimizer state: DeepSpeed writes one
     `[bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt` per rank (deepspeed/runtime/engine.py
-    _get_rank_zero_ckpt_name). None when the checkpoint has no ZeRO shards (QLoRA without DeepSpeed)."""
+    _get_rank_zero_ckpt_name). None when the checkpoint has no ZeRO shards (QLoRA without DeepSpeed: its
+    optimizer.pt is whole, so any world size resumes it). Another world size resumes through universal.py."""
     ranks = {m.group(1) for f in Path(ckpt).glob("global_step*/*zero_pp_rank_*_optim_states.pt")
              if (m := re.search(r"zero_pp_rank_(\d+)_", f.name))}
     return len(ranks) or None
-
-
-def check_world_size(ckpt: Path | None, world: int) -> None:
-    """Refuse, before anything is loaded, to resume ZeRO shards at another world size: DeepSpeed partitions
-    the optimizer state by rank and refuses a different count only after the model is built
-    (deepspeed/runtime/engine.py _load_zero_checkpoint: "Automatic adjustment of ZeRO's optimizer state
-    partitioning with a new world size is not currently supported")."""
-    from .errors import UserError
-
-    saved = saved_world_size(ckpt) if ckpt is not None else None
-    if saved is not None and saved != world:
-        raise UserError(
-            f"{ckpt}: this ZeRO-3 checkpoint was written by {saved} processes and this run has {world}; DeepSpeed "
-            f"cannot repartition its optimizer state. Resume with {saved} GPUs (or train.cpu_procs={saved} on CPU), "
-            f"or move {Path(ckpt).parent} away to start from the beginning (DeepSpeed's universal-checkpoint "
-            "conversion, ds_to_universal, is not supported by zerotune).")
 
 
 def discard_after(ckpt_root: Path, resume: Path | None) -> list[str]:
@@ -124,10 +109,14 @@ def rotate(ckpt_root: Path, keep: int | None) -> list[str]:
 
 
 class CommitCheckpoints(TrainerCallback):
-    """Replaces HF's save_total_limit rotation (give the Trainer save_total_limit=None)."""
+    """Replaces HF's save_total_limit rotation (give the Trainer save_total_limit=None).
 
-    def __init__(self, keep: int | None):
+    batch: the run's batch arithmetic, written into each marker: a resume at another world size keeps the global
+    batch in tokens and re-derives grad-accum, and checks against it (universal.check)."""
+
+    def __init__(self, keep: int | None, batch: dict | None = None):
         self.keep = keep
+        self.batch = batch or {}
         self.saving: int | None = None  # the step being saved, for the error message if writing fails
         self.save_t0 = 0.0
 
@@ -161,7 +150,7 @@ class CommitCheckpoints(TrainerCallback):
             import time
 
             # save_s: how long this save took, so a resumed run's deadline check knows it before it saves
-            mf.write(ckpt / MARKER, {"step": state.global_step, "world_size": args.world_size,
+            mf.write(ckpt / MARKER, {"step": state.global_step, "world_size": args.world_size, **self.batch,
                                      "save_s": round(time.time() - self.save_t0, 3), "files": file_sizes(ckpt)})
             os.sync()
             gone = rotate(ckpt.parent, self.keep)

@@ -42,9 +42,10 @@ def loss_scale(grad_accum: int | None, steps: int | None) -> tuple[int, int]:
     return power, window
 
 
-def build(r: Recipe, bp=None, steps: int | None = None) -> dict | None:
+def build(r: Recipe, bp=None, steps: int | None = None, load_universal: bool = False) -> dict | None:
     """bp: the batch.BatchPlan of this run; steps: optimizer steps. Without them (planning before data
-    exists) the fp16 scale keys fall back to DeepSpeed's defaults."""
+    exists) the fp16 scale keys fall back to DeepSpeed's defaults. load_universal: this run resumes from a
+    universal conversion (universal.py; read by engine.load_checkpoint, deepspeed runtime/engine.py:1712)."""
     if r.train.deepspeed is None:
         return None
     path = resolve_path(r.train.deepspeed)
@@ -62,6 +63,8 @@ def build(r: Recipe, bp=None, steps: int | None = None) -> dict | None:
         else:
             zero[key] = value
     cfg["zero_optimization"] = zero
+    if load_universal:
+        cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": True}
     fp16 = cfg.get("fp16")
     if isinstance(fp16, dict):
         power, window = loss_scale(bp.grad_accum if bp else None, steps)

@@ -8,6 +8,9 @@ Enabled only by environment variables that the tests set; inert otherwise.
   weight shard gets a NaN (a diverged or corrupted update), which the commit check must refuse.
 - ZEROTUNE_FAULT_EVAL_OOM_STEP=N: the validation of step N runs out of memory, as a 16K eval forward that
   materialises the logits does on a V100: the step must already be committed.
+- ZEROTUNE_FAULT_KILL_WHILE_CONVERTING=1: the launcher is killed (SIGKILL, as a node failure or scancel's
+  second signal would) while it converts a checkpoint to another world size, after DeepSpeed has written the
+  conversion and before it is checked and published: the original must be intact and the next attempt resume.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from transformers import TrainerCallback
 ENV_NAN_LOSS = "ZEROTUNE_FAULT_NAN_LOSS_STEP"
 ENV_NAN_WEIGHT = "ZEROTUNE_FAULT_NAN_WEIGHT_STEP"
 ENV_EVAL_OOM = "ZEROTUNE_FAULT_EVAL_OOM_STEP"
+ENV_KILL_CONVERTING = "ZEROTUNE_FAULT_KILL_WHILE_CONVERTING"
 
 
 def eval_out_of_memory(step: int) -> None:
@@ -27,6 +31,15 @@ def eval_out_of_memory(step: int) -> None:
         import torch
 
         raise torch.OutOfMemoryError(f"faults: {ENV_EVAL_OOM}={step}: CUDA out of memory (injected)")
+
+
+def kill_while_converting() -> None:
+    """Called by universal.convert between DeepSpeed's conversion and zerotune's checks and publish."""
+    if os.environ.get(ENV_KILL_CONVERTING):
+        import signal
+
+        print(f"faults: {ENV_KILL_CONVERTING}: killing this process while it converts", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class NaNLossAt(TrainerCallback):

@@ -9,7 +9,8 @@
                                       handoff between its processes: recipe.resolved.yaml (written by the
                                       launcher, read by every rank and finalize), run.json, stopped.json, error*.json;
                                       between sbatch attempts: stopped_before_training.json
-      checkpoints/   finetune         checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json)
+      checkpoints/   finetune         checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json; universal/: its
+                                      conversion for another world size, universal.py)
       model.tmp/     finetune         the consolidated save, verified before it becomes model/
       model/         finetune         the published HF model (PEFT: base + adapter, merged)
       adapter/       finetune (PEFT)  the adapter alone

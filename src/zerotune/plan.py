@@ -23,7 +23,7 @@ from .config import Recipe
 from .errors import UserError
 from .layout import layout
 from .quant_types import QUANT_TYPES
-from .planner.disk import disk_events, held
+from .planner.disk import CONVERT_BYTES_PER_S, disk_events, held, world_size_change
 from .planner.memory import GiB, ModelConfigError, _attention_has_mask, memory_breakdown, model_shape
 from .planner.phases import REPLAY_DECODE_EFFICIENCY as REPLAY_EFFICIENCY, phase_plan, replay_plan
 from .planner import time as timemodel
@@ -386,6 +386,9 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     phases = _phases(r, shape, choice, zero, g, gpn, world, capacity, own_mem)
     data = _data_steps(r, own_batch)
     disk = _disk(r, shape, choice, _peft(r, shape), data["total_steps"])
+    if zero and int(zero.get("stage", 0) or 0) == 3:  # ZeRO-3 partitions the optimizer by rank: another world size converts
+        peft = _peft(r, shape)
+        disk["world_size_change"] = world_size_change(peft[1] if peft else shape.n_params, world, gpn)
     save_s = disk["checkpoint_bytes"] / SAVE_BYTES_PER_S
     time_kw = dict(gpus_per_node=gpn, precision=choice.precision, zero=zero, save_s=save_s, cluster=cluster)
 
@@ -534,6 +537,10 @@ def _gib(b) -> str:
     return f"{b / GiB:6.2f} GiB"
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:,.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
 def _h(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:,.1f} s"
 
@@ -676,6 +683,11 @@ def format_plan(p: dict) -> str:
                      f"({_gib(h['checkpoint_bytes']).strip()}): it still needs {_gib(dk['needed_free_bytes']).strip()} free (at {dk['needed_at']})")
     else:
         lines.append(f"  needs {_gib(dk['needed_free_bytes']).strip()} free (at {dk['needed_at']})")
+    ws = dk.get("world_size_change")
+    if ws:
+        lines.append(f"  resumed on another number of GPUs: the checkpoint is converted once to DeepSpeed's universal "
+                     f"format beside it (universal.py): +{_gib(ws['bytes']).strip()} until it rotates away, "
+                     f"{_gib(ws['peak_bytes']).strip()} free while converting")
     fin = p["finalize"]
     lines.append(f"\nfinalize (after training, CPU): peak host RAM {fin['peak_bytes'] / 1e9:.1f} GB of "
                  f"{fin['cpu_ram_bytes'] / 1e9:g} GB (plan.cpu_ram_gb): "
@@ -687,6 +699,12 @@ def format_plan(p: dict) -> str:
     if pe["idle_at_time_limit_s"]:
         lines.append(f"  time limit: the run stops at a step boundary with a checkpoint, no trained step lost; up to "
                      f"{pe['idle_at_time_limit_s'] / 3600:.2f} h of the allocation (a step + a save + margin) unused")
+    ws = dk.get("world_size_change")
+    if ws:
+        lines.append(f"  resubmitted on another number of GPUs: converting takes ~{_duration(ws['convert_s'])} once, "
+                     f"in the launcher (an estimate: {CONVERT_BYTES_PER_S / 1e6:g} MB/s measured at tiny scale), and "
+                     f"each node's ranks then read it {ws['load_read_bytes_per_node'] // ws['bytes']} times at load "
+                     f"({ws['load_read_bytes_per_node'] / 1e9:,.0f} GB; once from storage if the page cache holds it)")
     if pe["lost_on_kill_s"]:
         lines.append(f"  killed without warning (node failure, scancel): up to {pe['lost_on_kill_s'] / 3600:.2f} h "
                      f"of training lost (train.save_steps={pe['save_steps']}: the steps since "

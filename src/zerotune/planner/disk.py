@@ -91,3 +91,21 @@ def disk_events(*, checkpoint_bytes: int, model_bytes: int, adapter_bytes: int |
             "checkpoints_at_once": max(e["checkpoints_held"] + 1 for e in events if "save" in e["event"]),
             "held": now, "events_now": now_rows,
             "needed_free_bytes": worst["needed_free_bytes"], "needed_at": worst["event"]}
+
+
+# Checkpoint bytes universal.convert turns into DeepSpeed's universal format per second, in one process (DeepSpeed's
+# extraction and merge, then zerotune's checksums): 198 MB in 3.3 s, the tiny model's checkpoint on a 2-core VM
+# (tests/test_resume.py's run). A measurement at tiny scale, scaled linearly: an estimate, not a promise.
+CONVERT_BYTES_PER_S = 6e7
+
+
+def world_size_change(trainable_params: int, world: int, gpus_per_node: int) -> dict:
+    """What resuming a ZeRO-3 checkpoint written by `world` ranks at another world size costs (universal.py).
+    The conversion holds fp32 weights and Adam m and v of every trainable parameter (4 B each, one file per
+    parameter and state); DeepSpeed's converter writes all fragments, then the merged files and a copy of rank 0's
+    shard, before it removes the fragments (ds_to_universal.py:1318-1353): twice that, plus a shard, at its peak.
+    At load every rank reads each parameter's files whole and keeps its own partition (stage3.py:3770-3802): a
+    node's ranks read the conversion gpus_per_node times (once from storage when the page cache holds it)."""
+    u = 12 * trainable_params
+    return {"bytes": u, "peak_bytes": 2 * u + u // max(1, world), "convert_s": u / CONVERT_BYTES_PER_S,
+            "load_read_bytes_per_node": gpus_per_node * u}

@@ -9,9 +9,11 @@ from ..errors import UserError
 from ..layout import layout
 
 
-def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int) -> dict:
+def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int,
+                    load_universal: bool = False) -> dict:
     """The recipe as TrainingArguments fields; bench/bench_train.py builds its Trainer and TRL baselines from
-    the same dict, so every contender trains with the same hyper-parameters."""
+    the same dict, so every contender trains with the same hyper-parameters. load_universal: resuming from a
+    checkpoint written at another world size (universal.py)."""
     return dict(
         output_dir=str(layout(r).checkpoints),
         per_device_train_batch_size=r.train.micro_batch_size,
@@ -28,7 +30,7 @@ def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, 
         bf16=choice.precision == "bf16",
         activation_checkpointing=r.train.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False},
-        deepspeed=ds_config.build(r, bp, max_steps),  # fp16 loss scale from GA and the run length
+        deepspeed=ds_config.build(r, bp, max_steps, load_universal),  # fp16 loss scale from GA and the run length
         use_cpu=not on_gpu,
         logging_steps=r.train.logging_steps,
         logging_nan_inf_filter=False,  # a NaN must be seen, not averaged away
@@ -49,10 +51,11 @@ def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, 
     )
 
 
-def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int):
+def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int,
+                       load_universal: bool = False):
     from transformers import TrainingArguments
 
-    return TrainingArguments(**training_kwargs(r, bp, choice, on_gpu, max_steps))
+    return TrainingArguments(**training_kwargs(r, bp, choice, on_gpu, max_steps, load_universal))
 
 
 def total_steps(n_sequences: int, bp: batchmod.BatchPlan, r: Recipe) -> int:

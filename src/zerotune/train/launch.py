@@ -48,16 +48,27 @@ def materialise_base(r: Recipe) -> Path:
     return out
 
 
-def before_launch(r: Recipe, skip_preflight: bool = False) -> None:
-    """What is checked and built before any worker starts, and the recipe every process of the run reads."""
+def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = False) -> None:
+    """What is checked and built before any worker starts, and the recipe every process of the run reads.
+    world: the job's process count; a committed checkpoint written at another one is converted here
+    (universal.py), once, before any worker waits on it (None: the caller launches no training)."""
+    from .. import universal
+    from ..checkpoint import last_committed
     from ..plan import disk_preflight, preflight
     from ..weights import require_weights
 
     require_weights(r)  # on this node, offline: the workers never download (`zerotune fetch` does, beforehand)
     require_prepared(r)  # fail here, in seconds, not after the launch
+    if world is not None:  # a resume that cannot keep the global batch: its own message, before the plan's
+        ckpt = last_committed(layout(r).checkpoints, quiet=True)
+        saved = universal.needed(ckpt, world)
+        if saved is not None:
+            universal.check(r, ckpt, saved, world)
     if not skip_preflight:
         preflight(r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)
         disk_preflight(r, r.out)
+    if world is not None:
+        universal.prepare(r, world)
     materialise_base(r)
     mf.write_resolved_recipe(layout(r).train, r)  # layout(r).run_recipe: what the workers and finalize read
     layout(r).stopped.unlink(missing_ok=True)  # how the workers end is read after they do: only theirs may be there
@@ -68,9 +79,9 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
     """Start the distributed job; returns its exit code."""
     import torch
 
-    before_launch(r, skip_preflight)
     n_gpu = torch.cuda.device_count()
     nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
+    before_launch(r, nproc, skip_preflight)
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"  # before_launch found the weights locally: no rank contacts the hub
     if n_gpu == 0:

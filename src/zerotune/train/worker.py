@@ -13,9 +13,11 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 from .. import batch as batchmod
 from .. import hardware, peft_utils, quiet
+from .. import manifest as mf
 from ..config import Recipe
 from ..data.prepare import load_tokenizer, require_prepared
 from ..layout import layout
@@ -67,6 +69,8 @@ class Run:
     steps: int
     args: object  # transformers.TrainingArguments
     collate: object
+    universal: Path | None = None  # resuming a checkpoint of another world size: its conversion (universal.py)
+    saved_world: int | None = None  # ... and the world size that wrote it
 
     @property
     def on_gpu(self) -> bool:
@@ -88,10 +92,15 @@ def setup(r: Recipe) -> Run:
     import torch
     from datasets import load_from_disk
 
-    from ..checkpoint import check_world_size, last_committed
+    from .. import universal
+    from ..checkpoint import MARKER, last_committed
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    check_world_size(last_committed(layout(r).checkpoints, quiet=True), world)  # before anything is loaded
+    resume = last_committed(layout(r).checkpoints, quiet=True)
+    saved, folder = universal.needed(resume, world), None  # another world size wrote it: before anything is loaded
+    if saved is not None:
+        universal.check(r, resume, saved, world)
+        folder = universal.require(resume, saved, world)  # built by the launcher (train/launch.py before_launch)
     # DeepSpeed 0.19 calls this torch API on every ZeRO-3 reduce: hundreds of identical lines per run bury the log
     warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
     if r.train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
@@ -104,7 +113,8 @@ def setup(r: Recipe) -> Run:
     bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
     train_ds = load_from_disk(str(layout(r).data_train))
     steps = total_steps(len(train_ds), bp, r)
-    args = training_arguments(r, bp, choice, gpu.capability is not None, steps)  # before the model: zero.Init
+    args = training_arguments(r, bp, choice, gpu.capability is not None, steps,  # before the model: zero.Init
+                              load_universal=saved is not None)
     if peft_utils.enabled(r):
         peft_utils.set_optim(args, r)
     if args.deepspeed:
@@ -116,12 +126,18 @@ def setup(r: Recipe) -> Run:
         # accelerate's plugin says GA 1 under DeepSpeed and takes the config's: harmless when that is ours
         quiet.drop_log("accelerate.accelerator", f"GradientAccumulationPlugin has 1, DeepSpeed config has {bp.grad_accum}.")
     collate = collate_packed if r.data.packing else make_collate_padded(data_manifest["pad_token_id"])
-    run = Run(rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate)
+    run = Run(rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate, folder, saved)
 
     run.say(f"{gpu.name}, world size {world}, {choice.describe()}; " + "; ".join(choice.reasons))
     if run.on_gpu:  # a wheel without this GPU's sm fails at its first kernel
         run.say(f"torch {torch.__version__} (CUDA {torch.version.cuda}) kernels for {torch.cuda.get_arch_list()}")
     run.say(f"{bp.describe()}; {steps} optimizer steps ({len(train_ds)} sequences, {bp.sequences_per_step} per step)")
+    if saved is not None:
+        was = (mf.read(resume / MARKER) or {}).get("grad_accum")  # older markers: the same batch at the old world
+        was = was or batchmod.derive(bp.global_batch_tokens, bp.seq_len, bp.micro_batch_size, saved).grad_accum
+        run.say(f"world size {saved} -> {world}: DeepSpeed loads {resume.name}'s universal conversion ({folder}); "
+                f"grad-accum {was} -> {bp.grad_accum}, the global batch of {bp.global_batch_tokens:,} tokens and "
+                "the sequences of each step unchanged")
     if args.deepspeed:
         zero = args.hf_deepspeed_config.config.get("zero_optimization", {})
         run.say(f"DeepSpeed ZeRO stage {zero.get('stage')} with world size {world}")
@@ -183,7 +199,10 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     metrics = StepMetrics(layout(r).metrics, run.bp.global_batch_tokens, tokens["train_label"] / max(1, tokens["train_total"]),
                           flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
                           run.gpu.peak_tflops, run.world, safety=safety)
-    commit = CommitCheckpoints(r.train.save_total_limit)
+    bp = run.bp
+    commit = CommitCheckpoints(r.train.save_total_limit, {
+        "global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
+        "micro_batch_size": bp.micro_batch_size, "grad_accum": bp.grad_accum})
     trainer = Trainer(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
                       # safety before metrics: a step or loss that stops the run is judged before it is logged;
                       # validation after CommitCheckpoints: a step is committed before it is validated
@@ -191,6 +210,9 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
                                  EvalDuringTraining(r, metrics, run.choice.liger, stop),
                                  *faults.callbacks(model)])
     safety.attach(trainer)
+    if run.universal is not None:  # after DeepSpeed loaded the conversion: restore what it leaves out, and check
+        from ..universal import CheckUniversalLoad
+        trainer.add_callback(CheckUniversalLoad(trainer, run.universal, run.saved_world))
     if run.choice.liger and run.choice.precision == "fp16":  # Liger's fp16 lm_head gradient can overflow unscaled
         safety.watch_lm_head(model)
     metrics.attach(trainer)
@@ -226,9 +248,12 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
     from ..checkpoint import (REQUEUE_EXIT, StopBeforeTraining, TrainingComplete, describe_failure, last_committed,
                               step_of)
 
+    if run.universal is not None and run.universal.parent != resume:  # setup and choose_resume read the same files
+        raise RuntimeError(f"resuming {resume}, but setup prepared {run.universal}")
     t0 = time.time()
     try:
-        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        # another world size: the Trainer and DeepSpeed resume from the conversion, a complete resume folder
+        trainer.train(resume_from_checkpoint=str(run.universal or resume) if resume else None)
     except TrainingComplete as e:  # the weights are loaded: what is left is the end of training, then finalize
         run.say(f"{e}: nothing left to train")
         trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)

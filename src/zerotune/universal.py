@@ -1,0 +1,401 @@
+"""Resume at another world size: the committed checkpoint converted once to DeepSpeed's universal format.
+
+ZeRO-3 partitions the fp32 weights and Adam's m and v by rank, and DeepSpeed loads such a checkpoint only at the
+world size that wrote it (deepspeed 0.19.8 runtime/engine.py:4748-4753). Its universal format stores every
+parameter whole, one file per state (checkpoint/ds_to_universal.py:543-550); a run whose DeepSpeed config says
+`"checkpoint": {"load_universal": true}` cuts its own partition out of each file while loading
+(runtime/zero/stage3.py:3653-3802). The launcher (`zerotune finetune`, slurm/job.py preflight) converts before any
+worker starts: one process, and no collective waiting on it with a timeout.
+
+    checkpoint-N/                    the committed original: its files are only read
+      universal/                     built as universal.tmp/, published by rename; a kill leaves universal.tmp/,
+                                     which the next attempt removes before converting again
+        global_stepN/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt, zero/optimizer_state.pt, model_states
+        latest_universal             the tag engine.load_checkpoint reads when given none (engine.py:4427-4436)
+        trainer_state.json, scheduler.pt, rng_state*.pth   the Trainer's own state, copied
+        zerotune_universal.json      written last: files and sizes, per-parameter checksums, where it came from
+
+Rotation removes it with its checkpoint (checkpoint.rotate deletes the whole folder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from . import manifest as mf
+from .errors import UserError
+
+DIR = "universal"
+MARKER = "zerotune_universal.json"
+STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what the ZeRO-3 universal loader reads per parameter (stage3.py:3665)
+# The Trainer's own files that a resume reads from the folder it is given (transformers 5.23 trainer.py:1697
+# trainer_state.json, :3893-3897 scheduler.pt under DeepSpeed with the Trainer's scheduler, :3847-3858 rng_state*.pth)
+TRAINER_FILES = ("trainer_state.json", "scheduler.pt")
+CHUNK = 1 << 22  # elements per checksum chunk: bounded memory on an 8B embedding (525M elements)
+
+
+def procs(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def staging(ckpt: Path) -> Path:
+    return Path(ckpt) / f"{DIR}.tmp"
+
+
+def view(ckpt: Path) -> Path:
+    return Path(ckpt) / DIR
+
+
+def tag_of(ckpt: Path) -> str:
+    return (Path(ckpt) / "latest").read_text().strip()  # DeepSpeed's own pointer to global_stepN (engine.py:4428)
+
+
+def problem(ckpt: Path) -> str | None:
+    """Why checkpoint-N has no usable universal conversion, or None when it has one whose files match its marker."""
+    marker = mf.read(view(ckpt) / MARKER)
+    if marker is None:
+        return "not converted"
+    for rel, size in marker["files"].items():
+        f = view(ckpt) / rel
+        if not f.is_file() or f.stat().st_size != size:
+            return f"{rel} is missing or truncated"
+    return None
+
+
+def needed(ckpt: Path | None, world: int) -> int | None:
+    """The world size that wrote `ckpt` when it differs from `world` (a conversion is needed), else None."""
+    from .checkpoint import saved_world_size
+
+    saved = saved_world_size(ckpt) if ckpt is not None else None
+    return saved if saved is not None and saved != world else None
+
+
+def check_batch(r, ckpt: Path) -> None:
+    """Refuse, in one message, to resume with another global batch, at any world size: the Trainer skips
+    step x grad-accum micro-batches per rank, which is the checkpoint's data position only at its own batch."""
+    from .checkpoint import MARKER as COMMITTED
+
+    committed = mf.read(Path(ckpt) / COMMITTED) or {}
+    was = committed.get("global_batch_tokens")
+    if was is not None and was != r.train.global_batch_tokens:
+        raise UserError(
+            f"{ckpt} was trained with train.global_batch_tokens={was:,} and this run asks for "
+            f"{r.train.global_batch_tokens:,}: the data position and learning-rate schedule it resumes assume the "
+            f"checkpoint's batch. Resume with train.global_batch_tokens={was}, or move {Path(ckpt).parent} away.")
+
+
+def check(r, ckpt: Path, saved: int, world: int) -> None:
+    """Refuse, in one message, a world-size change that cannot keep the global batch or the data order."""
+    from .batch import BatchError, derive
+
+    check_batch(r, ckpt)
+    if not r.data.packing:
+        raise UserError(
+            f"{ckpt} was written by {procs(saved)} and this run has {world}: with data.packing=false the Trainer "
+            "orders each epoch by length in groups of micro-batch x grad-accum sequences (transformers 5.23 "
+            "trainer.py:1100-1104, trainer_pt_utils.py:497-506), so another grad-accum reorders the epoch and the "
+            f"resumed run would repeat some sequences and skip others. Resume with {procs(saved)} "
+            f"(train.cpu_procs={saved} on CPU).")
+    try:
+        derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
+    except BatchError:
+        per_step = r.train.global_batch_tokens // (r.data.seq_len * r.train.micro_batch_size)
+        ok = [w for w in range(1, per_step + 1) if per_step % w == 0]
+        near = sorted(ok, key=lambda w: (abs(w - world), w))[:2]
+        raise UserError(
+            f"{ckpt} was written by {procs(saved)} with a global batch of {r.train.global_batch_tokens:,} tokens "
+            f"({per_step} micro-batches of {r.train.micro_batch_size} x {r.data.seq_len} tokens); {world} processes "
+            f"cannot split it evenly, so gradient accumulation cannot keep it. Resume with a process count that "
+            f"divides {per_step}: {' or '.join(map(str, sorted(near)))} (train.cpu_procs on CPU; "
+            f"all: {', '.join(map(str, ok))}).") from None
+
+
+def prepare(r, world: int) -> Path | None:
+    """In the launcher, before any worker: when the newest committed checkpoint was written at another world size,
+    make sure it has a universal conversion (build it once, or reuse it) and return its folder; else None."""
+    from .checkpoint import last_committed
+    from .layout import layout
+
+    ckpt = last_committed(layout(r).checkpoints, quiet=True)
+    if ckpt is not None:
+        check_batch(r, ckpt)  # at the same world size too
+    saved = needed(ckpt, world)
+    if saved is None:
+        return None
+    check(r, ckpt, saved, world)
+    half = staging(ckpt)
+    if half.exists():
+        shutil.rmtree(half)
+        print(f"finetune: removed a half-built universal conversion of {ckpt.name} (an earlier attempt stopped "
+              "while converting)", flush=True)
+    why = problem(ckpt)
+    if why is None:
+        print(f"finetune: {ckpt.name} was written by {procs(saved)} and this run has {world}: resuming from its "
+              f"universal conversion ({view(ckpt)}, built earlier)", flush=True)
+    else:
+        if why != "not converted":
+            print(f"finetune: the universal conversion of {ckpt.name} is unusable ({why}): converting again", flush=True)
+        print(f"finetune: {ckpt.name} was written by {procs(saved)} and this run has {world}: converting it once "
+              f"to DeepSpeed's universal format in {view(ckpt)} (the original is only read)", flush=True)
+        m = convert(ckpt, saved, free_needed=_free_needed(r))
+        print(f"finetune: converted in {m['elapsed_s']:.1f} s: {m['bytes'] / 1e9:.2f} GB beside {ckpt.name} (fp32 "
+              f"weights, Adam m and v of {sum(p['numel'] for p in m['params'].values()):,} parameters; "
+              f"{m['peak_bytes'] / 1e9:.2f} GB at the peak of the conversion)", flush=True)
+    _rng_files(ckpt, view(ckpt), saved, world)
+    return view(ckpt)
+
+
+def _free_needed(r) -> int:
+    """What the rest of the run still needs on output_dir's file system after the conversion (plan.disk_preflight)."""
+    from .plan import compute_plan
+
+    return compute_plan(r)["disk"]["needed_free_bytes"]
+
+
+def convert(ckpt: Path, saved_world: int, free_needed: int = 0) -> dict:
+    """Build checkpoint-N/universal/ beside the original and publish it by rename; returns its marker."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    from . import faults
+    from .planner.disk import tree_bytes
+
+    ckpt = Path(ckpt)
+    tag = tag_of(ckpt)
+    src = ckpt / tag
+    shards = sorted(src.glob("*zero_pp_rank_*_optim_states.pt"))
+    size = sum(f.stat().st_size for f in shards)
+    # DeepSpeed writes every fragment to a temp folder, then the merged files and a whole copy of rank 0's shard
+    # beside them, and removes the temp folder last (ds_to_universal.py:1318-1353); the result stays held until
+    # this checkpoint rotates away, while the run goes on needing what disk_preflight counted.
+    peak = 2 * size + size // saved_world
+    free = shutil.disk_usage(ckpt).free
+    if free < max(peak, size + free_needed):
+        raise UserError(f"{ckpt.parent} has {free / 2**30:.1f} GiB free; converting {ckpt.name} to another world size "
+                        f"needs {peak / 2**30:.1f} GiB while it runs and keeps {size / 2**30:.1f} GiB beside it, "
+                        f"and the run needs {free_needed / 2**30:.1f} GiB more after it. Free space, or resume with "
+                        f"{procs(saved_world)}.")
+    tmp = staging(ckpt)
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.time()
+    args = _Args(input_folder=str(src), output_folder=str(tmp / tag),
+                 # one process each: no fork of this launcher (which has torch loaded), and host memory bounded by
+                 # one rank's shard (extract) and one parameter's fragments (merge)
+                 num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                 # ZeRO-3 needs no universal_checkpoint_info (DeepSpeed #5430 is ZeRO-1/2: ds_to_universal.py:1167-1171)
+                 inject_missing_state=False)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            ds_to_universal.main(args)  # prints progress bars: kept out of the job log, shown if it fails
+    except Exception as e:
+        raise RuntimeError(f"DeepSpeed's universal conversion of {src} failed ({e}); {ckpt} is intact. Its output:\n"
+                           f"{out.getvalue()[-3000:]}") from e
+    faults.kill_while_converting()
+    _slim_optimizer_state(tmp / tag / "zero" / "optimizer_state.pt")
+    params = _checksums(tmp / tag / "zero")
+    _compare_with_shards(shards, params, src)
+    for name in TRAINER_FILES:
+        if (ckpt / name).is_file():
+            shutil.copy2(ckpt / name, tmp / name)
+    marker = {"source": str(src), "source_world_size": saved_world, "step": _step(tag),
+              "elapsed_s": round(time.time() - t0, 2), "params": params,
+              "peak_bytes": peak}
+    marker["files"] = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
+    marker["bytes"] = tree_bytes(tmp)
+    mf.write(tmp / MARKER, marker)
+    mf.publish(tmp, view(ckpt))  # fsync, then rename: a reader sees no conversion or a whole one
+    return marker
+
+
+class _Args:
+    """ds_to_universal.main's argparse namespace (ds_to_universal.py:71-98), built without its argv parser."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _step(tag: str) -> int:
+    m = re.search(r"(\d+)$", tag)
+    return int(m.group(1)) if m else -1
+
+
+def _slim_optimizer_state(path: Path) -> None:
+    """DeepSpeed copies rank 0's whole optimizer shard into zero/optimizer_state.pt (ds_to_universal.py:1016-1022:
+    its m, v and fp32 partitions, 12 B per parameter / the old world size), and every rank of the resumed run loads
+    that file whole (stage3.py:3660) onto the device it was saved from: at 8B from 8 GPUs, 12 GB per rank, all
+    on cuda:0. The loader reads only the loss scaler, the Adam step and the hyper-parameters from it
+    (stage3.py:3662-3691); keep those, on the CPU."""
+    import torch
+
+    sd = torch.load(path, map_location="cpu", weights_only=False)
+    inner = sd["optimizer_state_dict"]
+    inner["state"] = {k: {"step": v["step"]} for k, v in inner["state"].items() if "step" in v}
+    sd.pop("fp32_flat_groups", None)
+    torch.save(sd, path)
+
+
+def _moments(x, start: int = 0) -> tuple[float, float]:
+    """(sum of x^2, sum of i * x^2) in float64, i the element's index in the whole parameter (`start` for x[0]):
+    the second changes when a partition lands at the wrong offset, which the first cannot see."""
+    import torch
+
+    x = x.reshape(-1)
+    s2 = si2 = 0.0
+    for i in range(0, x.numel(), CHUNK):
+        c = x[i:i + CHUNK].detach().double().square()
+        s2 += float(c.sum())
+        si2 += float(torch.dot(c, torch.arange(start + i, start + i + c.numel(), dtype=torch.float64, device=c.device)))
+    return s2, si2
+
+
+def _checksums(zero: Path) -> dict:
+    import torch
+
+    params = {}
+    for d in sorted(p for p in zero.iterdir() if p.is_dir()):
+        row = {}
+        for state in STATES:
+            t = torch.load(d / f"{state}.pt", map_location="cpu", weights_only=False)
+            t = t["param"] if isinstance(t, dict) else t
+            row["numel"] = t.numel()
+            row[state] = _moments(t)
+        params[d.name] = row
+    return params
+
+
+def _compare_with_shards(shards: list[Path], params: dict, src: Path) -> None:
+    """The conversion holds what the original holds: per state, the sum of squares over every rank's shard equals
+    the sum over the converted parameters (padding is zeros). A dropped, duplicated or zeroed fragment fails."""
+    import torch
+
+    total = dict.fromkeys(STATES, 0.0)
+    for f in shards:
+        sd = torch.load(f, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
+        for i, flat in enumerate(sd["fp32_flat_groups"]):
+            total["fp32"] += _moments(flat)[0]
+            for state in ("exp_avg", "exp_avg_sq"):
+                total[state] += _moments(sd["optimizer_state_dict"]["state"][i][state])[0]
+        del sd
+    for state in STATES:
+        conv = sum(p[state][0] for p in params.values())
+        if not _close(conv, total[state]):
+            raise RuntimeError(f"the universal conversion of {src} does not hold its {state}: sum of squares "
+                               f"{conv!r} against {total[state]!r} in the original shards; the original is intact")
+
+
+def _close(a: float, b: float, rel: float = 1e-9) -> bool:
+    """Float64 sums of the same fp32 values taken in another order: relative error ~ n x 2^-53 at worst."""
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-300)
+
+
+def _rng_files(ckpt: Path, folder: Path, saved: int, world: int) -> None:
+    """The Trainer restores rank r's RNG from rng_state_r.pth (rng_state.pth at world 1: trainer.py:3847-3858).
+    Every rank is seeded alike (set_seed(args.seed)), so new rank r takes old rank r % saved's state."""
+    def name(rank: int, w: int) -> str:
+        return "rng_state.pth" if w == 1 else f"rng_state_{rank}.pth"
+
+    for rank in range(world):
+        src, dst = ckpt / name(rank % saved, saved), folder / name(rank, world)
+        if src.is_file() and not dst.is_file():
+            tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
+            shutil.copy2(src, tmp)
+            os.replace(tmp, dst)
+
+
+def require(ckpt: Path, saved: int, world: int) -> Path:
+    """In every worker: the conversion the launcher built, or one message saying how to get it."""
+    why = problem(ckpt)
+    if why is not None:
+        raise UserError(f"{ckpt} was written by {procs(saved)} and this run has {world}, and its universal "
+                        f"conversion is {why}: start training with `zerotune finetune` or slurm/finetune.sbatch, "
+                        f"which convert it first, or resume with {procs(saved)}.")
+    return view(ckpt)
+
+
+class UniversalLoadError(RuntimeError):
+    pass
+
+
+class CheckUniversalLoad(TrainerCallback):
+    """After DeepSpeed loaded the conversion (the Trainer loads it at trainer.py:1801-1810, inside :1615, before
+    on_train_begin at :1653): put back what the universal loader gets wrong, and check what it loaded, on every rank.
+
+    - stage3.py:3664, :3681 give every ZeRO-3 sub-group the one step tensor loaded, and Adam increments it in place
+      once per sub-group step (torch/optim/adam.py:414, :686, :876): with 2 sub-groups the resumed run's bias
+      correction is a step ahead after one step, and it drifts further each step. Each sub-group gets its own.
+    - The step stays where it was loaded; torch's own load_state_dict moves it to the parameter's device for a
+      fused or capturable optimizer (torch/optim/optimizer.py:794-798). Done here likewise.
+    - stage3.py:3685-3691 copies param group 0's hyper-parameters into every group: the Trainer's no-decay group
+      (norms, biases) would get group 0's weight decay. Each group gets its own back from the conversion.
+    - DeepSpeed #6691 (open): training resumed from a universal ZeRO-3 checkpoint "as if initialized from scratch".
+      Each rank sums the squares of its partition of every parameter's fp32 weights, m and v (and the same
+      weighted by element index, which catches a partition at the wrong offset); the all-reduced sums must equal
+      the conversion's. A mismatch stops the run before its first step, with the original checkpoint intact."""
+
+    def __init__(self, trainer, folder: Path, saved: int):
+        self.trainer, self.folder, self.saved = trainer, Path(folder), saved
+
+    def on_train_begin(self, args, state, control, **kw):
+        import torch
+        import torch.distributed as dist
+
+        marker = mf.read(self.folder / MARKER)
+        tag = (self.folder / "latest_universal").read_text().strip()
+        saved = torch.load(self.folder / tag / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
+        zero = self.trainer.model_wrapped.optimizer  # DeepSpeed's ZeRO-3 optimizer; .optimizer is torch's AdamW
+        groups = saved["param_groups"]
+        if len(groups) != len(zero.optimizer.param_groups):
+            raise UniversalLoadError(f"{self.folder}: {len(groups)} optimizer param groups saved, "
+                                     f"{len(zero.optimizer.param_groups)} in this run")
+        for group, was in zip(zero.optimizer.param_groups, groups):
+            group.update({k: v for k, v in was.items() if k != "params"})
+        for sub, flat in enumerate(zero.fp32_partitioned_groups_flat):
+            st = zero.optimizer.state.get(flat, {})
+            if not isinstance(st.get("step"), torch.Tensor):
+                continue
+            st["step"] = st["step"].clone()  # one tensor per sub-group, not the one stage3.py:3681 shares
+            group = zero.optimizer.param_groups[zero.sub_group_to_group_id[sub]]
+            if group.get("fused") or group.get("capturable"):
+                st["step"] = st["step"].to(dtype=torch.float32, device=flat.device)
+
+        names = sorted(marker["params"])
+        local = torch.zeros(len(names), len(STATES), 2, dtype=torch.float64)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for sub, params in enumerate(zero.fp16_groups):
+            flat = {"fp32": zero.fp32_partitioned_groups_flat[sub]}
+            for s in ("exp_avg", "exp_avg_sq"):
+                flat[s] = zero.optimizer.state[flat["fp32"]][s]
+            offset = 0
+            for p in params:
+                part, i = p.ds_tensor.ds_numel, names.index(zero.param_names[p])
+                start = rank * part
+                valid = max(0, min(part, p.ds_numel - start))  # the last rank's tail is padding
+                for j, s in enumerate(STATES):
+                    local[i, j] = torch.tensor(_moments(flat[s].narrow(0, offset, valid), start), dtype=torch.float64)
+                offset += part
+        total = local.to(args.device)
+        if dist.is_initialized():
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        total = total.cpu()
+        bad = [f"{n} {s}" for i, n in enumerate(names) for j, s in enumerate(STATES)
+               if not all(_close(float(total[i, j, k]), marker["params"][n][s][k]) for k in (0, 1))]
+        if bad:
+            raise UniversalLoadError(
+                f"DeepSpeed's universal load of {self.folder} does not match the conversion ({len(bad)} of "
+                f"{len(names) * len(STATES)} states differ, e.g. {', '.join(bad[:3])}); nothing was trained and "
+                f"the original checkpoint is intact: resume with {procs(self.saved)}.")
+        if state.is_world_process_zero:
+            step = next((v["step"] for v in zero.optimizer.state.values() if "step" in v), None)
+            print(f"finetune: universal load checked: fp32 weights, Adam m and v of {len(names)} tensors "
+                  f"({sum(p['numel'] for p in marker['params'].values()):,} parameters) equal the conversion on "
+                  f"{procs(args.world_size)}; Adam step {int(step) if step is not None else '?'}, "
+                  f"lr {zero.optimizer.param_groups[0]['lr']:.3g}", flush=True)
+        return control
