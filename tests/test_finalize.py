@@ -167,3 +167,20 @@ def test_lora_finalize_in_fp16_on_cpu(tmp_path, tiny_model_dir):
     with safe_open(str(r.out / "model" / "model.safetensors"), "pt") as st:
         assert {st.get_slice(k).get_dtype() for k in st.keys()} == {"F16"}, "the merged model is saved in 16-bit"
     assert (r.out / "adapter" / "adapter_model.safetensors").exists() and not tmp.exists()
+
+
+def test_fp16_loss_scale_follows_grad_accum_across_a_world_size_change():
+    """DeepSpeed's own dynamic scaler, as the universal load restores it: rescaled for the new grad-accum."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from zerotune.universal import rescale_loss_scale
+
+    kw = dict(scale_window=1000, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False)  # DeepSpeed defaults
+    s = DynamicLossScaler(init_scale=2.0 ** 12, **kw)
+    assert rescale_loss_scale(s, 240, 240) is None and s.cur_scale == 2.0 ** 12
+    assert rescale_loss_scale(s, 240, 120) == (2.0 ** 12, 2.0 ** 11)  # 2 -> 4 nodes: gradients twice as large
+    assert rescale_loss_scale(s, 120, 480) == (2.0 ** 11, 2.0 ** 13)  # 4 nodes -> 1: a quarter
+    assert rescale_loss_scale(s, 3, 2) == (2.0 ** 13, 2.0 ** 12)      # 2/3: the nearest power of two
+    low = DynamicLossScaler(init_scale=2.0, **kw)
+    assert rescale_loss_scale(low, 8, 1) == (2.0, 1.0)                # never below min_scale
+    assert rescale_loss_scale(object(), 8, 1) is None                 # fp32 / bf16: no dynamic scaler

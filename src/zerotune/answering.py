@@ -89,7 +89,8 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
     model in memory at a time; `sets` is every eval set, the task set first. Answers are cached in
     runs/<r>/eval/answers.json by (weights, prompts, max_new_tokens), so `check` and `eval` on the same models
     generate once (greedy decoding: the same inputs give the same text; the HF batch size is not in the key
-    because batched answers equal one-at-a-time answers). Only answers are cached: scores and leakage are
+    because batched answers equal one-at-a-time answers: fp32 on the CPU, where these models answer, tested; in
+    fp16 on a GPU a padded row can differ in its last bits). Only answers are cached: scores and leakage are
     computed from them on every call, so a changed scorer, `forbid` or leak rule needs no new answers."""
     leaks = leak_tests(sets)  # a bad leakage setting is refused before minutes of generation
     models = {"base": layout(r).base, "hf": layout(r).model, "gguf": layout(r).gguf}
@@ -134,9 +135,13 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
         for es in todo:
             cache[keys[which, es.name]] = res[es.name][which]
         mf.write(cache_file, cache)
+    from .families import answer_text, of_config
+
+    family = of_config(Path(models["hf"]))  # its quirks: Qwen3's answers open with a (here empty) thinking block
     for es in sets:
         for which, v in res[es.name].items():
-            v["score"], v["per_row"], v["leakage"] = _score_all(es, v["answers"], rows_by_set[es.name], leaks[es.name])
+            answers = [answer_text(family, a) for a in v["answers"]]  # cached raw; scored as a client reads them
+            v["score"], v["per_row"], v["leakage"] = _score_all(es, answers, rows_by_set[es.name], leaks[es.name])
     return {"models": {k: str(v) for k, v in models.items()}, "sets": res}
 
 
@@ -168,7 +173,8 @@ def load_hf(model_dir: Path, tokenizer: Path | str | None = None, device: str = 
     from .gguf_checks import hf_end_tokens
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer or model_dir))
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or torch.float32).to(device)
+    # straight onto the device: an 8B model would otherwise sit in host RAM (16 GB in fp16) before moving
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or torch.float32, device_map=device)
     model.eval()
     ends = hf_end_tokens(tok, model_dir)
     stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
@@ -210,6 +216,11 @@ def hf_answers(model, tok, stop: list[int], rows: list[dict], max_new_tokens: in
             for i, new in zip(idx, gen[:, width:].tolist()):
                 # a row that stopped early is filled with pad_token_id (a stop id) while the others go on
                 end = next((k + 1 for k, t in enumerate(new) if t in stop), None)
+                if len(new) > 1 and not any(new[:end]):
+                    # NaN logits make greedy decoding pick token 0 every time: reported upstream for left-padded
+                    # rows on some SDPA backends (unsloth #9848, B200); V100/T4's memory-efficient kernel is safe
+                    raise RuntimeError(f"prompt {i}: generate() returned only token 0 (NaN logits?) in a batch of "
+                                       f"{len(idx)} left-padded prompts; rerun with eval.batch_size=1")
                 out[i] = (tok.decode(new[:end], skip_special_tokens=True).strip(), end is not None)
             bar.update(len(idx))
     return out

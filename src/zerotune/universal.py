@@ -229,10 +229,10 @@ def _step(tag: str) -> int:
 
 def _slim_optimizer_state(path: Path) -> None:
     """DeepSpeed copies rank 0's whole optimizer shard into zero/optimizer_state.pt (ds_to_universal.py:1016-1022:
-    its m, v and fp32 partitions, 12 B per parameter / the old world size), and every rank of the resumed run loads
-    that file whole (stage3.py:3660) onto the device it was saved from: at 8B from 8 GPUs, 12 GB per rank, all
-    on cuda:0. The loader reads only the loss scaler, the Adam step and the hyper-parameters from it
-    (stage3.py:3662-3691); keep those, on the CPU."""
+    its m, v and fp32 partitions, 12 B per parameter / the old world size; loaded to the CPU first, :1017), and every
+    rank of the resumed run loads that file whole into host RAM (stage3.py:3660): at 8B from 8 GPUs, 12 GB per
+    rank, 96 GB per node. The loader reads only the loss scaler, the Adam step and the hyper-parameters from it
+    (stage3.py:3662-3691); keep those."""
     import torch
 
     sd = torch.load(path, map_location="cpu", weights_only=False)
@@ -273,16 +273,34 @@ def _checksums(zero: Path) -> dict:
 
 def _compare_with_shards(shards: list[Path], params: dict, src: Path) -> None:
     """The conversion holds what the original holds: per state, the sum of squares over every rank's shard equals
-    the sum over the converted parameters (padding is zeros). A dropped, duplicated or zeroed fragment fails."""
+    the sum over the converted parameters. A dropped, duplicated or zeroed fragment fails. Only each partition's
+    padding-free elements count, as DeepSpeed converts them (ds_to_universal.py:194-210): the tail of the last
+    partition is not zeros (partition_parameters.py:1836 allocates it with torch.empty and :1872-1876 copies only
+    the real elements), which a world size that does not divide a tensor (24 or 48 GPUs at 8B) would expose."""
     import torch
+    from deepspeed.checkpoint.constants import PARAM_SHAPES
+    from deepspeed.checkpoint.ds_to_universal import _shape_numel, _zero3_rank_from_file, _zero_partitioned_param_info
 
     total = dict.fromkeys(STATES, 0.0)
     for f in shards:
+        rank = _zero3_rank_from_file(f)
+        model = next(src.glob(f"*zero_pp_rank_{rank}_mp_rank_*_model_states.pt"))
+        shapes = torch.load(model, map_location="cpu", weights_only=False)[PARAM_SHAPES]
         sd = torch.load(f, map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
+        groups = sd.get("ds_zero_partition_groups") or []
         for i, flat in enumerate(sd["fp32_flat_groups"]):
-            total["fp32"] += _moments(flat)[0]
-            for state in ("exp_avg", "exp_avg_sq"):
-                total[state] += _moments(sd["optimizer_state_dict"]["state"][i][state])[0]
+            states = {"fp32": flat.reshape(-1), **{s: sd["optimizer_state_dict"]["state"][i][s].reshape(-1)
+                                                  for s in ("exp_avg", "exp_avg_sq")}}
+            meta = groups[i] if i < len(groups) else {}
+            count, prank = meta.get("partition_count", len(shards)), meta.get("partition_rank", rank)
+            offset = 0
+            for shape in shapes[i].values():
+                numel = _shape_numel(shape)
+                part, _ = _zero_partitioned_param_info(numel, count)
+                valid = max(0, min(part, numel - prank * part))
+                for state, t in states.items():
+                    total[state] += _moments(t.narrow(0, offset, valid))[0]
+                offset += part
         del sd
     for state in STATES:
         conv = sum(p[state][0] for p in params.values())
@@ -322,6 +340,26 @@ def require(ckpt: Path, saved: int, world: int) -> Path:
 
 class UniversalLoadError(RuntimeError):
     pass
+
+
+def rescale_loss_scale(scaler, ga_was: int, ga_now: int) -> tuple[float, float] | None:
+    """fp16's dynamic loss scale for the new grad-accum: (old, new) scale, or None when nothing changes.
+
+    The universal load restores DeepSpeed's loss scaler as it was (stage3.py:3660 -> :3760-3763): cur_scale,
+    cur_iter, last overflow and hysteresis. But each micro-batch's loss, hence its fp16 gradient, is 1/grad-accum
+    of the step's (ds_config.py, the Trainer's scaling), so at another grad-accum the scale it grew to is off by
+    ga_was/ga_now. Too high (2 -> 4 nodes at 8B: grad-accum 240 -> 120, one power of two): overflows until
+    hysteresis is spent and the scale halves, each a skipped step of hours. Too low (4 -> 2 nodes): underflow that,
+    with 2-16 steps per epoch and a growth window of 1,000, never recovers. Scaled by the nearest power of two, kept
+    at or above min_scale."""
+    import math
+
+    if not getattr(scaler, "dynamic", False) or not ga_was or ga_was == ga_now:
+        return None
+    old = float(scaler.cur_scale)
+    new = max(old * 2.0 ** round(math.log2(ga_now / ga_was)), float(scaler.min_scale))
+    scaler.cur_scale = new
+    return old, new
 
 
 class CheckUniversalLoad(TrainerCallback):
@@ -365,6 +403,15 @@ class CheckUniversalLoad(TrainerCallback):
             group = zero.optimizer.param_groups[zero.sub_group_to_group_id[sub]]
             if group.get("fused") or group.get("capturable"):
                 st["step"] = st["step"].to(dtype=torch.float32, device=flat.device)
+
+        from .checkpoint import MARKER as COMMITTED
+
+        ga_was = (mf.read(self.folder.parent / COMMITTED) or {}).get("grad_accum")
+        rescaled = rescale_loss_scale(getattr(zero, "loss_scaler", None), ga_was, args.gradient_accumulation_steps)
+        if rescaled and state.is_world_process_zero:
+            print(f"finetune: fp16 loss scale {rescaled[0]:g} -> {rescaled[1]:g} for grad-accum {ga_was} -> "
+                  f"{args.gradient_accumulation_steps} (each micro-batch's gradient is 1/grad-accum of the step's)",
+                  flush=True)
 
         names = sorted(marker["params"])
         local = torch.zeros(len(names), len(STATES), 2, dtype=torch.float64)

@@ -161,8 +161,11 @@ def answer(r: Recipe, tok, prompts: list[dict], key: dict) -> dict:
           f"{rp.path} on {device} in {precision}, {r.eval.batch_size} per batch, up to {rp.max_new_tokens} new "
           f"tokens each (once; cached by weights, prompts and template)", flush=True)
     t0 = time.perf_counter()
-    model, _, stop = load_hf(base, tokenizer=resolve_path(r.model.tokenizer) if resolve_path(r.model.tokenizer)
-                             .exists() else r.model.tokenizer, device=device, dtype=dtype)
+    # the tokenizer's files where this node has them (a hub id: its snapshot in the cache, no network lookup);
+    # only its end tokens are used here, with the model's generation_config (load_hf)
+    tok_dir = resolve_path(r.model.tokenizer)
+    model, _, stop = load_hf(base, tokenizer=tok_dir if tok_dir.exists() else local_folder(r.model.tokenizer),
+                             device=device, dtype=dtype)
     # the training tokenizer renders the prompts: the answers are for the template the conversations train in
     got = hf_answers(model, tok, stop, prompts, rp.max_new_tokens, r.eval.batch_size, progress="data: replay")
     del model
@@ -208,7 +211,9 @@ def replay_source(r: Recipe, tok, task_rows: int, key: dict) -> tuple[SourceCfg,
             "cached": cached, "answers": str(jsonl), "ratio": ratio, "weight": round(weight, 4),
             "documents": taken, "share": round(taken / max(1, taken + task_rows), 4),
             "times_each": round(weight, 2)}
-    how = "cached" if cached else f"answered in {meta['seconds']:.0f} s on {meta['device']}"
+    # the key leaves out where the answers were made (a CPU rebuild reuses a GPU node's answers): say it
+    how = (f"cached, answered on {meta['device']} in {meta['precision']}" if cached else
+           f"answered in {meta['seconds']:.0f} s on {meta['device']} in {meta['precision']}")
     left = (f"; {meta['cut_off']} cut off at max_new_tokens={r.data.replay.max_new_tokens} (trained without "
             f"their end of turn)" if meta["cut_off"] else "") + (f"; {meta['empty']} empty left out"
                                                                  if meta["empty"] else "")
