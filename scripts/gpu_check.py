@@ -1152,6 +1152,8 @@ def run_1b(a, seq: int, info: dict, log_dir: Path, emit) -> list[dict]:
         return [emit(predicted(make_row(f"{tag}: {p}", "skipped", f"{why}; {note}" if p == "train" else why), p))
                 for p in PHASES]
 
+    if a.tmpdir:
+        Path(a.tmpdir).mkdir(parents=True, exist_ok=True)  # a named --tmpdir need not exist yet
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_1b_", dir=a.tmpdir))
     try:
         payload = run_worker("zero3_1b", a, ["--seq", str(seq), "--ckpt", str(tmp / "trainer"),
