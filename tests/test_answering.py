@@ -114,7 +114,7 @@ def test_score_models_zeroes_leaked_answers_fresh_and_from_the_cache(tmp_path, m
                              f"{{name: retention, path: {tmp_path / 'retention.jsonl'}, scorer: contains}}]"])
     paths = layout(r)
     paths.model.mkdir(parents=True)
-    (paths.model / "config.json").write_text("{}")
+    (paths.model / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
     paths.gguf.parent.mkdir(parents=True)
     paths.gguf.write_bytes(b"GGUF")
     said = {"base": ["7", "Paris"], "hf": ['{"world": 7"}', "Paris"], "gguf": ['{"world": 7"}', '{"city": "Paris"}']}

@@ -56,3 +56,63 @@ def test_make_demo_qlora(tmp_path):
     assert not list((tmp_path / "model").glob("adapter_*")), "the published model is merged, not an adapter"
     q = json.loads((tmp_path / "gguf" / "manifest.json").read_text())
     assert q["type"] == "q8_0"
+
+
+def _serve_and_ask(recipe: str, out, prompt: str) -> tuple[str, str]:
+    """`zerotune serve` on the demo's GGUF, asked once through the official `openai` client: (content, finish)."""
+    import signal
+    import sys
+    import time
+
+    from openai import OpenAI
+
+    from zerotune.ports import free_port
+
+    port = free_port()
+    log = open(out / "serve.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "zerotune", "serve", recipe, f"output_dir={out}",
+                             f"serve.port={port}", "serve.n_ctx=512"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                assert proc.poll() is None and time.time() < deadline, (out / "serve.log").read_text()[-2000:]
+                time.sleep(0.5)
+        res = client.chat.completions.create(model=recipe, messages=[{"role": "user", "content": prompt}],
+                                             max_tokens=24, temperature=0)
+        return res.choices[0].message.content or "", res.choices[0].finish_reason
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.extended  # each family's whole chain; CI converts each family's tiny model (tests/test_families.py)
+@pytest.mark.parametrize("recipe", ["tiny_qwen3", "tiny_gemma3"])
+def test_make_demo_per_family(recipe, tmp_path):
+    """The whole chain on another architecture: its template in the data, ZeRO-3 on 2 CPU ranks, llama.cpp's
+    converter (pre-tokenizer recognised, token ids identical, the family's end of turn ends generation), eval,
+    check, and the server answering through the `openai` client."""
+    from zerotune.families import FAMILIES, answer_text
+
+    proc = subprocess.run(["make", "-s", "demo", f"RECIPE={recipe}", f"ARGS=output_dir={tmp_path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=2400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_readable_log(proc, recipe, tmp_path)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["base_accuracy"] <= 0.1 and summary["passed"] is True
+    assert summary["hf_accuracy"] >= 0.9 and summary["gguf_accuracy"] >= 0.9
+    assert summary["mean_kl"] <= 0.01
+    family = FAMILIES[recipe.removeprefix("tiny_")]
+    q = json.loads((tmp_path / "gguf" / "manifest.json").read_text())["checks"]
+    assert q["architecture"] == family.gguf_arch and q["pre_tokenizer"] not in (None, "default")
+    assert q["turn_end_token"] == family.end_of_turn and q["eot_is_eog"] is True
+    assert q["probe_texts_identical"] == 8 and q["tensor_types"].keys() == {"F32", "Q8_0"}
+    content, finish = _serve_and_ask(recipe, tmp_path, "Repeat after me: orange frog tea")
+    assert finish == "stop" and answer_text(family, content) == "You said: orange frog tea", content
+    if family.thinking:  # served as trained: the empty thinking block first
+        assert content.startswith("<think>"), content

@@ -53,9 +53,10 @@ def test_offload_moves_optimizer_off_gpu():
     assert "fp32 grad sub-group" not in p["memory"]["parts"]
 
 
-def test_dry_run_text():
-    text = dry_run(load_recipe("llama8b_zero3"))
-    for needle in ["world size     8", "fp16", "sdpa", "Liger kernels  on", "16,384", "480", "62,914,560", "GiB"]:
+@pytest.mark.parametrize("recipe,seq,ga", [("llama8b_zero3", "16,384", "480"), ("qwen3_8b_zero3", "8,192", "960")])
+def test_dry_run_text(recipe, seq, ga):
+    text = dry_run(load_recipe(recipe))
+    for needle in ["world size     8", "fp16", "sdpa", "Liger kernels  on", seq, ga, "62,914,560", "GiB", "fits"]:
         assert needle in text, needle
 
 

@@ -230,6 +230,11 @@ def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True, n_gpu_layers: int
     """The GGUF as check uses it: every position's logits, the embedded chat template (as serve uses it)."""
     import llama_cpp
 
+    from . import quiet
+
+    # Gemma 3's sliding-window layers: llama.cpp announces that it keeps a full-size KV cache for them (the
+    # default, swa_full; exact for every prompt length), once per load: a note, not a problem
+    quiet.drop_llama_cpp_log(b"using full-size SWA cache")
     return llama_cpp.Llama(str(gguf), n_ctx=n_ctx, logits_all=logits_all, seed=0, chat_format=CHAT_FORMAT,
                            n_gpu_layers=n_gpu_layers, verbose=False)
 

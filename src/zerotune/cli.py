@@ -61,7 +61,28 @@ def _banner(args, r) -> None:
         print(f"== zerotune {args.stage} {r.name}: {what} -> {r.out / sub}", flush=True)
 
 
+# stages that read or write a model: its family is checked first, from config.json alone (families.py)
+MODEL_STAGES = {"data", "inspect", "finetune", "quantize", "check", "eval", "plan", "serve"}
+
+
+def _family_first(args, r) -> None:
+    """An architecture zerotune does not know is one message listing the supported ones, before anything loads.
+    A hub model not fetched yet has no config here: the training worker checks it before it loads weights."""
+    from .families import of_recipe, precision_refusal
+
+    family = of_recipe(r) if args.stage in MODEL_STAGES else None
+    if args.stage == "data" and r.data.replay is not None and precision_refusal(family, "fp16"):
+        from .hardware import detect
+
+        gpu = detect()  # data/replay.py answers on this GPU in its auto training precision: fp16 without bf16
+        if gpu.capability is not None and not gpu.bf16:
+            raise UserError(f"data.replay: the base model would answer on {gpu.name} in fp16 (no bf16 there), and "
+                            f"a {family.name} model overflows in fp16 (docs/training.md#model-families). Run `make "
+                            "data` on a GPU with bf16, or on the CPU (CUDA_VISIBLE_DEVICES='').")
+
+
 def _stage(args, r) -> int:
+    _family_first(args, r)
     _banner(args, r)
     if args.stage == "fetch":
         from .weights import fetch

@@ -215,8 +215,10 @@ class EvalDuringTraining(TrainerCallback):
         import torch
         from transformers.integrations import is_deepspeed_zero3_enabled
 
+        from .families import answer_text, of_config
         from .scorers import score
 
+        family = of_config(model.config)  # Qwen3: scored after its thinking block, as check and eval score
         out = []
         for row in rows:
             enc = tok.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
@@ -228,7 +230,7 @@ class EvalDuringTraining(TrainerCallback):
             pred = tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
             out.append({"step": step, "set": es.name, "prompt": row["messages"][-1].get("content"),
                         "reference": row["answer"], "prediction": pred,
-                        "score": score(es.scorer, pred, row, es.pattern)})
+                        "score": score(es.scorer, answer_text(family, pred), row, es.pattern)})
             del gen
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         return out

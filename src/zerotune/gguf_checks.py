@@ -10,10 +10,15 @@ Keys come from `gguf.Keys`, never magic strings. Checks:
   for plain chats and, where the template renders tools, for a tool conversation
   (tool definitions, an assistant tool call, the tool's reply);
 - generation stops where HF stops: the token that ends an assistant turn in the
-  chat template and every HF end token (generation_config `eos_token_id`,
-  tokenizer eos) are end-of-generation (EOG) tokens in the GGUF, the GGUF's eos
-  is one of them, and no ordinary text token is EOG (a wrong EOS/EOT makes
-  generation never stop, or stop mid-answer: unsloth #468);
+  chat template, the model family's own end-of-turn token (families.py) and every
+  HF end token (generation_config `eos_token_id`, tokenizer eos) are
+  end-of-generation (EOG) tokens in the GGUF, the GGUF's eos is one of them, and
+  no ordinary text token is EOG (a wrong EOS/EOT makes generation never stop, or
+  stop mid-answer: unsloth #468) but those the family table names as llama.cpp's
+  known quirk (Qwen3's '</s>'), which are reported;
+- the family's llama.cpp constraints hold (Gemma 3: llama.cpp's fixed 5:1
+  sliding/full layer pattern equals the config's layer_types, and its attention
+  scale 1/sqrt(head_dim) equals HF's query_pre_attn_scalar**-0.5);
 - Llama-3.1 rope scaling has `rope_freqs` (llama.cpp PR #8676), the tensor
   count matches the HF checkpoint;
 - every 2-D weight really has the requested type. The converter silently keeps
@@ -69,7 +74,6 @@ PROBE_TOOL_CHAT = [
         "name": "get_weather", "arguments": {"city": "Paris"}}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "{\"temp_c\": 21}"},
 ]
-END_OF_TURN = "<|eot_id|>"
 # llama-cpp-python replaces an embedded template it recognises with a hand-written formatter ("llama-3" for
 # the Llama-3 template), which does not `trim` message content as the template does: the served prompt then
 # differs from HF's and from training. zerotune always asks for the embedded template by this name.
@@ -312,6 +316,9 @@ def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE
     import llama_cpp
     from transformers import AutoTokenizer
 
+    from .families import of_config
+
+    family = of_config(Path(model_dir) / "config.json")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     has_template = bool(read_header(gguf).get("tokenizer.chat_template"))
     quiet.drop_llama_cpp_log(b"> n_ctx_train (0)")  # a vocab-only load has no training context to overflow
@@ -346,7 +353,7 @@ def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE
         ends = hf_end_tokens(tok, model_dir)
         special = set(tok.added_tokens_decoder)
         gguf_eos = llama_cpp.llama_vocab_eos(vocab)
-        eot = tok.convert_tokens_to_ids(END_OF_TURN)
+        eot = tok.get_vocab().get(family.end_of_turn)  # None: this tokenizer's template uses another (SmolLM2)
         name = lambda i: tok.convert_ids_to_tokens(int(i)) if i is not None and 0 <= i < len(tok) else None  # noqa: E731
         res = {
             "mismatches": mismatches, "chat_mismatches": chat_mismatches, "chat_format": llm.chat_format,
@@ -354,9 +361,12 @@ def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE
             "eog_ids": eog, "eog_tokens": [name(i) for i in eog], "hf_eos_ids": ends["eos_ids"],
             "turn_end_id": ends["turn_end_id"], "turn_end_token": name(ends["turn_end_id"]),
             "gguf_eos_id": gguf_eos, "gguf_eos_token": name(gguf_eos),
-            "eog_not_special": [(i, name(i)) for i in eog if i not in special],
+            "eog_not_special": [(i, name(i)) for i in eog if i not in special
+                                and name(i) not in family.llama_cpp_eog_text],
+            "eog_known_quirk": [(i, name(i)) for i in eog if i not in special and name(i) in family.llama_cpp_eog_text],
             "hf_ends_not_eog": [(i, name(i)) for i in ends["eos_ids"] if i not in eog],
-            "eot_id": eot, "eot_is_eog": eot in eog,
+            "family": family.name, "family_end_of_turn": family.end_of_turn, "eot_id": eot,
+            "eot_is_eog": eot in eog if eot is not None else None,
         }
     finally:
         llm.close()
@@ -434,6 +444,15 @@ def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
     if parity["eog_not_special"]:
         problems.append(f"ordinary text tokens are end-of-generation in the GGUF: {parity['eog_not_special'][:5]}; "
                         "answers would stop mid-sentence.")
+    if parity["eot_is_eog"] is False:
+        problems.append(f"the {parity['family']} end-of-turn token {parity['family_end_of_turn']!r} (id "
+                        f"{parity['eot_id']}) is not end-of-generation in the GGUF: generation would not stop there.")
+    if parity["eog_known_quirk"]:
+        notes.append(f"llama.cpp ends generation at {parity['eog_known_quirk']} by its spelling, an ordinary "
+                     f"{parity['family']} token (a typed '</s>' in a prompt becomes it): a known llama.cpp quirk, "
+                     "docs/training.md#model-families")
+    from .families import llama_cpp_problems, of_config
+    problems += llama_cpp_problems(of_config(hf_cfg), hf_cfg)
     if problems:
         raise GGUFCheckError(f"{path} failed its checks:\n- " + "\n- ".join(problems))
     report = {
@@ -444,7 +463,9 @@ def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
         "tool_chat": parity["tool_chat"], "tensors": len(names), "tensor_types": types,
         "k_quant_fallbacks": fallback, "rope_freqs": "rope_freqs.weight" in names,
         "probe_texts_identical": len(PROBE_TEXTS), "eog_tokens": parity["eog_tokens"],
-        "eos_token": parity["gguf_eos_token"], "turn_end_token": parity["turn_end_token"], "eot_is_eog": True,
+        "eos_token": parity["gguf_eos_token"], "turn_end_token": parity["turn_end_token"],
+        "family": parity["family"], "family_end_of_turn": parity["family_end_of_turn"],
+        "eot_is_eog": parity["eot_is_eog"], "eog_known_quirk": parity["eog_known_quirk"],
         "bytes": hdr.file_size, "notes": notes,
     }
     fb = f"; {len(fallback)} K-quant fallbacks (row length not a multiple of {K_BLOCK})" if fallback else ""

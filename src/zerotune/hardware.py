@@ -35,9 +35,19 @@ class GPU:
     # The cluster type the planner assumes around this GPU: a key of planner/time.py CLUSTERS, where the
     # link bandwidths (in the node, between nodes, to the host) live with their sources.
     cluster: str | None = None
+    # Dense fp32 peak without tensor cores (vendor datasheets), for a family that cannot train in fp16 on a GPU
+    # without bf16 (families.py: Gemma 3 on V100/T4 trains in fp32, about 8x fewer FLOPS than fp16 there).
+    fp32_tflops: float | None = None
 
 
-# Peak dense 16-bit tensor TFLOPS from vendor datasheets (fp16 on V100/T4, bf16 on A100/H100).
+def peak_tflops(gpu: GPU, precision: str) -> float | None:
+    """The peak the time model and MFU use for a run in `precision` on this GPU."""
+    return gpu.fp32_tflops if precision == "fp32" and gpu.capability is not None else gpu.peak_tflops
+
+
+# Peak dense 16-bit tensor TFLOPS from vendor datasheets (fp16 on V100/T4, bf16 on A100/H100); fp32 (no TF32:
+# PyTorch leaves torch.backends.cuda.matmul.allow_tf32 off) from the same datasheets: V100-SXM2 15.7, T4 8.1,
+# A100 19.5, H100-SXM 67.
 # usable_gib, from PyTorch OOM messages ("total capacity"), the lowest seen with a recent driver:
 #   V100-SXM2-32GB 31.75: measured on a zerotune user's V100 (NOTES, third round); haotian-liu/LLaVA#812
 #     shows 31.74 on another driver: 0.01 GiB, inside the planner's fragmentation margin.
@@ -48,13 +58,13 @@ class GPU:
 #   H100-SXM5-80GB 79.11: vllm-project/vllm#27508 (H100); not measured here.
 GPUS = {
     "v100-32gb": GPU("V100-SXM2-32GB", (7, 0), 125.0, bf16=False, flash_attention_2=False, usable_gib=31.75,
-                     default_mfu=0.35, cluster="v100-sxm2-1xedr"),
+                     default_mfu=0.35, cluster="v100-sxm2-1xedr", fp32_tflops=15.7),
     "t4": GPU("T4", (7, 5), 65.0, bf16=False, flash_attention_2=False, usable_gib=14.56, default_mfu=0.30,
-              cluster="t4-pcie-1xedr"),
+              cluster="t4-pcie-1xedr", fp32_tflops=8.1),
     "a100-80gb": GPU("A100-SXM4-80GB", (8, 0), 312.0, bf16=True, flash_attention_2=True, usable_gib=79.15,
-                     default_mfu=0.40, cluster="a100-sxm4-8xhdr"),
+                     default_mfu=0.40, cluster="a100-sxm4-8xhdr", fp32_tflops=19.5),
     "h100-80gb": GPU("H100-SXM5-80GB", (9, 0), 989.0, bf16=True, flash_attention_2=True, usable_gib=79.11,
-                     default_mfu=0.35, cluster="h100-sxm5-8xndr"),
+                     default_mfu=0.35, cluster="h100-sxm5-8xndr", fp32_tflops=67.0),
     "cpu": GPU("CPU", None, None, bf16=False, flash_attention_2=False),
 }
 # llama.cpp on a GPU beside its weights and KV cache: CUDA context + compute buffers (0.3-0.8 GiB measured at
@@ -121,21 +131,35 @@ class Choice:
 
 
 def choose(gpu: GPU, precision: str = "auto", attention: str = "auto", liger: str = "auto",
-           fa2_installed: bool | None = None) -> Choice:
+           fa2_installed: bool | None = None, family=None) -> Choice:
+    """family: a families.Family, whose own precision limits (Gemma 3: no fp16) apply on top of the GPU's."""
+    from .families import precision_refusal
+
     fa2_installed = flash_attn_installed() if fa2_installed is None else fa2_installed
     why = []
     on_gpu = gpu.capability is not None
+    no_fp16 = precision_refusal(family, "fp16") if on_gpu else None
 
     if precision == "auto":
-        precision = "bf16" if gpu.bf16 else ("fp16" if on_gpu else "fp32")
-        why.append(f"precision auto -> {precision} ({gpu.name}: bf16 {'yes' if gpu.bf16 else 'no'})")
+        precision = "bf16" if gpu.bf16 else ("fp16" if on_gpu and not no_fp16 else "fp32")
+        if precision == "fp32" and on_gpu:  # a family that overflows in fp16 on a GPU without bf16 (Gemma 3 on V100)
+            why.append(f"precision auto -> fp32 ({gpu.name}: bf16 no; {family.name} is refused in fp16, see "
+                       f"docs/training.md#model-families; fp32 peak {gpu.fp32_tflops} TFLOPS, not "
+                       f"{gpu.peak_tflops})")
+        else:
+            why.append(f"precision auto -> {precision} ({gpu.name}: bf16 {'yes' if gpu.bf16 else 'no'})")
     elif precision == "bf16" and not gpu.bf16:
-        alt = "fp16" if on_gpu else "fp32"
+        alt = ("fp32" if no_fp16 else "fp16") if on_gpu else "fp32"
         raise CapabilityError(f"precision bf16 requested but {gpu.name} has no bf16 support. "
                               f"Use train.precision={alt} (or auto).")
     elif precision == "fp16" and not on_gpu:
         raise CapabilityError("precision fp16 requested on CPU: mixed-precision fp16 needs a CUDA GPU. "
                               "Use train.precision=fp32 (or auto).")
+    elif precision == "fp16" and no_fp16:
+        alt = "bf16 (or auto)" if gpu.bf16 else (f"fp32 (or auto; {gpu.fp32_tflops} instead of {gpu.peak_tflops} "
+                                                 "TFLOPS on this GPU), or a GPU with bf16 (A100, H100)")
+        raise CapabilityError(f"precision fp16 requested for a {family.name} model, which zerotune does not train in "
+                              f"fp16: {no_fp16}. Use train.precision={alt}.")
 
     if attention == "auto":
         if gpu.flash_attention_2 and fa2_installed:

@@ -38,26 +38,47 @@ def enabled(r: Recipe) -> bool:
     return r.peft.method != "none"
 
 
-def bnb_config(on_gpu: bool):
+def compute_dtype(on_gpu: bool, precision: str | None):
+    """QLoRA's compute dtype: the run's precision (hardware.choose, which knows the family: a Gemma 3 run on a T4
+    computes in fp32, never fp16); fp16 on a GPU when the precision is not known (older hand-offs)."""
     import torch
+
+    from .verify import model_dtype
+
+    if precision is None:
+        return torch.float16 if on_gpu else torch.float32
+    return model_dtype(precision)
+
+
+def bnb_config(on_gpu: bool, precision: str | None = None):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=torch.float16 if on_gpu else torch.float32)
+                              bnb_4bit_compute_dtype=compute_dtype(on_gpu, precision))
 
 
-def load_kwargs(r: Recipe, on_gpu: bool) -> dict:
+def load_kwargs(r: Recipe, on_gpu: bool, precision: str | None = None) -> dict:
     """Extra from_pretrained kwargs: QLoRA loads the base in 4-bit NF4 onto this rank's device."""
     import os
 
-    import torch
-
     if r.peft.method != "qlora":
         return {}
-    kw = {"quantization_config": bnb_config(on_gpu), "dtype": torch.float16 if on_gpu else torch.float32}
+    kw = {"quantization_config": bnb_config(on_gpu, precision), "dtype": compute_dtype(on_gpu, precision)}
     if on_gpu:
         kw["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
     return kw
+
+
+def check_targets(targets, family) -> None:
+    """peft.target_modules must name linears of this family (families.py lora_targets), or be ['all-linear']:
+    peft would otherwise fail deep in get_peft_model, or adapt a module the planner does not count."""
+    from .errors import UserError
+
+    targets = list(targets)
+    unknown = [t for t in targets if t not in family.lora_targets]
+    if targets != ["all-linear"] and unknown:
+        raise UserError(f"peft.target_modules {unknown}: not a linear of a {family.name} model. Use any of "
+                        f"{list(family.lora_targets)}, or ['all-linear'].")
 
 
 def lora_config(r: Recipe):
@@ -86,6 +107,10 @@ def wrap(model, r: Recipe):
     """Add adapters (after prepare_model_for_kbit_training for QLoRA); returns (model, trainable, total)."""
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import set_seed
+
+    from .families import of_config
+
+    check_targets(r.peft.target_modules, of_config(model.config))
 
     # lora_A is drawn from the global RNG here, before the Trainer seeds it: without this, two runs of the same
     # recipe start from different adapters (found by the resume test: grad norms differed at step 1)
@@ -148,7 +173,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref, base: Path, tokenizer_sa
 
     # 1. adapter reload on the base as trained (4-bit for QLoRA) == the trained model's logits
     if r.peft.method == "qlora":
-        kw = {"quantization_config": bnb_config(on_gpu), "dtype": torch.float16 if on_gpu else torch.float32}
+        kw = {"quantization_config": bnb_config(on_gpu, ref.precision), "dtype": compute_dtype(on_gpu, ref.precision)}
         if on_gpu:
             kw["device_map"] = {"": 0}
         trained_base = AutoModelForCausalLM.from_pretrained(str(base), **kw)

@@ -181,7 +181,7 @@ def _step_time(r, shape, g, gpu_name, seq, world, micro: int, attention: str, do
         return out
     c = timemodel.CLUSTERS[cluster or g.cluster]
     job = _job(r, shape, out["flops_per_step"], seq, micro, gpn, world // gpn, precision, zero, save_s, hpz)
-    t = timemodel.step_time(job, c, g.peak_tflops, mfu)
+    t = timemodel.step_time(job, c, hardware.peak_tflops(g, precision), mfu)  # fp32 (Gemma 3 on V100): its own peak
     out.update(seconds_per_step=t["seconds_per_step"], grad_accum=job.grad_accum, **{k: t[k] for k in (
         "terms", "dominant", "shares", "per_micro_step", "step_communication_s", "communication_over_compute",
         "crossover_tokens",
@@ -366,7 +366,8 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
         raise PlanError(str(e)) from None
     # Planning for the cluster, not this machine: assume flash-attn is installed where it can be.
     fa2 = g.capability is not None and g.capability >= (8, 0)
-    choice = hardware.choose(g, r.train.precision, r.train.attention, r.train.liger, fa2_installed=fa2)
+    choice = hardware.choose(g, r.train.precision, r.train.attention, r.train.liger, fa2_installed=fa2,
+                             family=shape.fam)  # the family's own precision limits (families.py)
     ds = ds_config.build(r)
     zero = ds.get("zero_optimization") if ds else None
     accum = _grad_accum_bytes(ds)
@@ -628,7 +629,7 @@ def format_time(p: dict) -> list[str]:
 def format_plan(p: dict) -> str:
     c, m, ch, rc = p["cluster"], p["memory"], p["choice"], p["recipe_config"]
     lines = [f"plan: {p['recipe']} on {c['nodes']} x {c['gpus_per_node']} {c['gpu_name']} (world {c['world_size']}); "
-             f"model {p['model']['n_params']:,} parameters",
+             f"model {p['model']['n_params']:,} parameters ({p['model'].get('family', 'llama')} family)",
              f"  {ch['precision']}, attention {ch['attention']}, liger {'on' if ch['liger'] else 'off'}",
              f"\nper-GPU memory at seq_len {rc['seq_len']:,} x micro-batch {rc['micro_batch_size']}:"]
     for k, v in m["parts"].items():

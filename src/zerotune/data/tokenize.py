@@ -8,7 +8,9 @@ own text, so a cut-off reply does not teach stopping there). One tokenization wi
 spans to tokens: a token is a label when it ends inside a span (so a token that
 merges the prompt's trailing space with the reply's first word is a label). This
 works for any template with the prefix property, which is checked per sample
-rather than assumed. The ids are exactly those of
+rather than assumed; a template that renders the last assistant turn differently
+from history (Qwen3's thinking block) has its earlier turns located in their
+history form (_history_end). The ids are exactly those of
 `tok.apply_chat_template(messages, tokenize=True)` (tests check it).
 
 Which assistant turns carry labels: all of them (`loss_on: all_assistant`) or the last, less those marked
@@ -156,11 +158,14 @@ def _assistant_spans(render, msgs: list[dict], loss_on: str, where: str,
     for i in idx:
         start_text = render(msgs[:i], True, tools) if i else ""
         end_text = render(msgs[: i + 1], False, tools)
-        if not (full.startswith(start_text) and full.startswith(end_text) and len(end_text) > len(start_text)):
-            raise BadSample(where, "the chat template does not render conversations prefix by prefix, "
-                                   "so assistant tokens cannot be located.",
-                            "use a template where rendering messages[:i] is a prefix of the full rendering.")
-        end = len(end_text)
+        if full.startswith(start_text) and full.startswith(end_text) and len(end_text) > len(start_text):
+            end = len(end_text)
+        else:
+            end = _history_end(full, start_text, end_text, msgs[i])
+            if end is None:
+                raise BadSample(where, "the chat template does not render conversations prefix by prefix, "
+                                       "so assistant tokens cannot be located.",
+                                "use a template where rendering messages[:i] is a prefix of the full rendering.")
         if msgs[i].get("truncated"):
             # a reply cut off mid-way (data.replay at max_new_tokens): its text is trained, the template's
             # end-of-turn after it is not, or the model would learn to stop where the cut fell
@@ -172,6 +177,26 @@ def _assistant_spans(render, msgs: list[dict], loss_on: str, where: str,
             end = at + len(msgs[i]["content"])
         spans.append((len(start_text), end))
     return full, spans
+
+
+def _history_end(full: str, start_text: str, end_text: str, msg: dict) -> int | None:
+    """Where assistant turn i ends in `full` when the template renders a turn differently once later messages
+    follow it (Qwen3: the last assistant turn after the last user query gets '<think>\n\n</think>\n\n' before
+    its content, earlier turns do not; families.py). The turn starts where the generation prompt ends (that part
+    must still be a prefix); its content follows directly or after exactly what the last-turn rendering put before
+    it, and it ends with the same end-of-turn text. None when the turn cannot be located that way."""
+    content = msg.get("content")
+    if not isinstance(content, str) or not content or not full.startswith(start_text):
+        return None
+    cut = end_text.rfind(content)
+    if cut < len(start_text):
+        return None
+    before, tail = end_text[len(start_text):cut], end_text[cut + len(content):]
+    for lead in ("", before):  # the history form, or the same form as the last turn
+        at = len(start_text) + len(lead)
+        if full.startswith(lead + content + tail, len(start_text)):
+            return at + len(content) + len(tail)
+    return None
 
 
 def labels_from_offsets(ids, offsets, spans) -> np.ndarray:

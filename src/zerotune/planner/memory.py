@@ -1,10 +1,12 @@
-"""Per-GPU training memory for a Llama-architecture model: model states, DeepSpeed buffers, activations.
+"""Per-GPU training memory for every model family zerotune trains (families.py: Llama, Qwen3, Gemma 3): model
+states, DeepSpeed buffers, activations.
 
 Model states come from DeepSpeed's own estimator (so `zerotune plan` and DeepSpeed's docs agree);
 everything the estimator leaves out is modelled here, term by term, so the breakdown sums to the
-predicted peak. The activation terms mirror what transformers' Llama code saves for backward; they
-are validated on CPU in tests/test_activation_memory.py (measured with saved_tensors_hooks, within
-a few percent). Terms that hooks cannot see (backward transients, the persistent attention mask,
+predicted peak. The activation terms mirror what transformers' code for each family saves for backward
+(modeling_llama.py, modeling_qwen3.py: q/k norms, modeling_gemma3.py: four fp32 norms per layer, q/k norms,
+sliding-window layers); they are validated on CPU in tests/test_activation_memory.py (measured with
+saved_tensors_hooks, exact for every family). Terms that hooks cannot see (backward transients, the persistent attention mask,
 Liger's fused loss buffers) are modelled from the kernels' source and covered by the margin.
 """
 
@@ -12,15 +14,14 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import REPO_ROOT, Recipe, resolve_path
+from ..config import Recipe, resolve_path
+from ..families import FAMILIES, of_config, public_config
 from . import calibration
 
 GiB = 1024 ** 3
-LLAMA31_8B_CONFIG = REPO_ROOT / "configs" / "models" / "llama31_8b.json"
 
 
 class ModelConfigError(RuntimeError):
@@ -40,6 +41,18 @@ class ModelShape:
     vocab: int
     max_positions: int
     config_path: str
+    family: str = "llama"  # a key of families.FAMILIES
+    layer_types: tuple = ()  # per layer "full_attention" / "sliding_attention"; () = all full
+    sliding_window: int | None = None
+    tied: bool = False
+
+    @property
+    def fam(self):
+        return FAMILIES[self.family]
+
+    @property
+    def sliding_layers(self) -> int:
+        return sum(t == "sliding_attention" for t in self.layer_types)
 
     @property
     def q_dim(self) -> int:
@@ -58,8 +71,9 @@ def config_source(r: Recipe) -> Path:
     local = resolve_path(name)
     if local is not None and (local / "config.json").exists():
         return local / "config.json"
-    if re.match(r"^(meta-llama/)?(Meta-)?Llama-3\.1-8B", name, re.IGNORECASE):
-        return LLAMA31_8B_CONFIG  # the public config, shipped: planning needs no download
+    shipped = public_config(name)  # the public config, shipped (families.py): planning needs no download
+    if shipped is not None:
+        return shipped
     raise ModelConfigError(
         f"model.name_or_path '{name}': no local folder with a config.json and no shipped config for it. "
         "Download the model (or just its config.json) into a folder and point model.name_or_path at it.")
@@ -70,6 +84,7 @@ def _shape_from_config(path: str) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    family = of_config(path)  # an architecture zerotune does not know: one message, before anything is built
     cfg = AutoConfig.from_pretrained(path)
     # Meta device: exact parameter count at no memory cost (8B: 8,030,261,248).
     with torch.device("meta"):
@@ -77,9 +92,12 @@ def _shape_from_config(path: str) -> ModelShape:
     total = sum({id(p): p.numel() for p in model.parameters()}.values())  # tied weights once
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layer_types = tuple(getattr(cfg, "layer_types", None) or ())
+    sliding = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
     return ModelShape(total, largest, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
                       getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim,
-                      cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, path)
+                      cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, path, family.name,
+                      layer_types, sliding, bool(getattr(cfg, "tie_word_embeddings", False)))
 
 
 def model_shape(r: Recipe) -> ModelShape:
@@ -109,61 +127,97 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
     "flash_attention_2" = the same without a mask; "eager" = materialised S^2 scores per head.
     residual_bytes: dtype of the residual stream when it differs from the matmuls' (QLoRA: peft's
     prepare_model_for_kbit_training leaves fp32 embeddings, so the stream between layers is fp32).
+    The family (m.family) decides the norms (Llama-style or Gemma's fp32 (1 + w) norm, 2 or 4 per layer,
+    q/k norms) and which layers slide (Gemma 3: a sliding-window layer at seq >= its window needs a mask).
     Returns the parts and `saved_peak`, the most bytes alive at once (end of forward without
-    checkpointing; with it, the larger of end of forward and the last layer's recompute).
+    checkpointing; with it, the largest of end of forward and each layer's recompute in backward).
     """
     e, b, S, h, I = dtype_bytes, micro, seq, m.hidden, m.intermediate
     res = residual_bytes or e
     T = b * S  # tokens in the micro-batch
     a = m.heads
-    mask = _attention_has_mask(attention, packing, micro, padded)
+    fam = m.fam
     grouped = m.kv_heads != m.heads
 
-    # RMSNorm. HF upcasts: an fp32 copy of the input (the input itself in fp32), the normalised
-    # tensor cast back to the model dtype, the output (saved by the next matmuls), 1/rms in fp32.
-    # Liger's kernel saves only its input and 1/rms; its output is saved by the next matmuls.
+    # RMSNorm on the hidden size, per call. Llama/Qwen3 (HF): an fp32 copy of the input (the input itself in
+    # fp32), the normalised tensor cast back to the model dtype, the output (saved by the next matmuls), 1/rms in
+    # fp32. Liger's kernel saves only its input and 1/rms; its output is saved by the next matmuls.
     norm = (2 * e * T * h + 4 * T) if liger else (4 * T * h + 2 * e * T * h + 4 * T)
     if res != e:
         # fp32 stream under fp16 autocast: input, normalised tensor and output all fp32, plus the
         # autocast's 16-bit copy that the next matmuls save.
         norm = (2 * res * T * h + e * T * h + 4 * T) if liger else (4 * T * h + 2 * res * T * h + e * T * h + 4 * T)
-
-    # Attention. RoPE saves only cos/sin (shared by all layers): q, k do not need grad w.r.t. cos.
-    if attention == "eager":
-        kv = 2 * e * T * (m.q_dim if grouped else m.kv_dim)  # repeat_kv copies (or k, v themselves)
-        scores = 4 * b * a * S * S + (e * b * a * S * S if e < 4 else 0)  # fp32 softmax + cast copy
-        attn = e * T * m.q_dim + kv + scores + e * T * m.q_dim  # q, k/v, scores, o_proj input
+    if fam.norm == "gemma":
+        # Gemma3RMSNorm (modeling_gemma3.py:135-149) in fp32 whatever the dtype: x.float() (the input itself in
+        # fp32), the normalised fp32 tensor, 1/rms and the (1 + w) vector; the output, cast back, is saved only
+        # where a matmul reads it (input and pre-feedforward norms; the post-attention and post-feedforward
+        # norms feed the residual add, which saves nothing). Liger (LigerRMSNormForGemma3): input + 1/rms.
+        g_out = (2 * e * T * h + 4 * T) if liger else (8 * T * h + e * T * h + 4 * T + 4 * h)
+        g_res = (e * T * h + 4 * T) if liger else (8 * T * h + 4 * T + 4 * h)
+        norms = 2 * g_out + 2 * g_res
+        final_norm = g_out
     else:
+        norms = fam.norms_per_layer * norm
+        final_norm = norm
+
+    # q/k norms over head_dim, before RoPE (Qwen3, Gemma 3); their output goes to RoPE, which saves only cos/sin.
+    qk = 0
+    if fam.qk_norm:
+        width, rows = m.q_dim + m.kv_dim, a + m.kv_heads  # elements and 1/rms values per token
+        if liger:
+            qk = e * T * width + 4 * T * rows
+        elif fam.norm == "gemma":
+            qk = 8 * T * width + 4 * T * rows + 2 * 4 * m.head_dim
+        else:
+            qk = (4 + e) * T * width + 4 * T * rows
+
+    def attention_bytes(mask: bool) -> int:
+        # RoPE saves only cos/sin (shared by all layers of a type): q, k do not need grad w.r.t. cos.
+        if attention == "eager":
+            kv = 2 * e * T * (m.q_dim if grouped else m.kv_dim)  # repeat_kv copies (or k, v themselves)
+            scores = 4 * b * a * S * S + (e * b * a * S * S if e < 4 else 0)  # fp32 softmax + cast copy
+            return e * T * m.q_dim + kv + scores + e * T * m.q_dim  # q, k/v, scores, o_proj input
         if mask:
-            # transformers repeats k/v when a mask is given; torch converts the bool mask to the
-            # query dtype and the kernel saves it: micro x S x S x e per layer being differentiated.
+            # transformers repeats k/v when a mask is given (integrations/sdpa_attention.py use_gqa_in_sdpa);
+            # torch converts the bool mask to the query dtype and the kernel saves it: micro x S x S x e per
+            # layer being differentiated.
             kv = 2 * e * T * m.q_dim + e * b * S * S
         else:
             kv = 2 * e * T * m.kv_dim  # native GQA: k, v at kv heads
         # q, k, v, output (shared with o_proj's input), logsumexp in fp32
-        attn = e * T * m.q_dim + kv + e * T * m.q_dim + 4 * b * a * S
-    # SwiGLU MLP: gate, up, silu(gate), product (HF); Liger recomputes silu in backward.
-    mlp = (3 if liger else 4) * e * T * I
-    layer = 2 * norm + attn + mlp
+        return e * T * m.q_dim + kv + e * T * m.q_dim + 4 * b * a * S
 
-    ids = 8 * T
-    rope = 2 * (b if packing else 1) * S * m.head_dim * e  # cos, sin: per sample when positions restart
-    final_norm = norm
+    # SwiGLU (silu) and Gemma's GeGLU (gelu tanh) save the same: gate, up, act(gate), product; Liger recomputes act.
+    mlp = (3 if liger else 4) * e * T * I
+    full_mask = _attention_has_mask(attention, packing, micro, padded)
+    kinds = {"full_attention": attention_bytes(full_mask)}
+    if m.sliding_layers:
+        # masking_utils.py _ignore_causal_mask_sdpa: a sliding layer gets a dense mask once seq >= its window
+        slide_mask = full_mask or (attention != "flash_attention_2" and seq >= (m.sliding_window or seq + 1))
+        kinds["sliding_attention"] = attention_bytes(slide_mask)
+    types = list(m.layer_types) if m.layer_types else ["full_attention"] * m.layers
+    layer_of = {k: norms + qk + v + mlp for k, v in kinds.items()}
+    layers = [layer_of[t] for t in types]
+
+    ids = 8 * T + (e if fam.embed_scale else 0)  # Gemma: the embed_scale scalar its multiply saves
+    rope_one = 2 * (b if packing else 1) * S * m.head_dim * e  # cos, sin: per sample when positions restart
+    rope = rope_one * len(set(types))  # Gemma 3: a global and a local rotary embedding
     loss = 0 if liger else 4 * T * m.vocab + 8 * b * (S + 1) + 4  # log-softmax output (fp32), labels
     layer_inputs = m.layers * res * T * h
 
     if not checkpointing:
-        fwd_end = ids + rope + m.layers * layer + final_norm + loss
+        fwd_end = ids + rope + sum(layers) + final_norm + loss
         peak = fwd_end
         recompute = 0
     else:
         fwd_end = ids + layer_inputs + final_norm + loss
-        # Recomputing the last layer: every checkpointed input is still alive. In fp32 (or with
-        # Liger) the norm saves its input tensor itself, i.e. the checkpointed input: count it once.
+        # Recomputing layer i in backward: the inputs of layers 0..i are still alive. In fp32 (or with Liger)
+        # the first norm saves its input tensor itself, i.e. the checkpointed input: count it once.
         dedup = res * T * h if (res == 4 or liger) else 0
-        recompute = layer + rope - dedup
-        peak = max(fwd_end, ids + layer_inputs + recompute)
-    return {"layer": layer, "per_layer": {"norms": 2 * norm, "attention": attn, "mlp": mlp},
+        recomputes = [layer + rope_one - dedup for layer in layers]
+        recompute = max(recomputes)
+        peak = max([fwd_end] + [ids + (i + 1) * res * T * h + r for i, r in enumerate(recomputes)])
+    return {"layer": max(layers), "per_layer": {"norms": norms + qk, "attention": max(kinds.values()), "mlp": mlp},
             "layer_inputs": layer_inputs if checkpointing else 0, "recompute": recompute,
             "final_norm": final_norm, "loss_saved": loss, "small": ids + rope,
             "forward_end": fwd_end, "saved_peak": peak}
@@ -246,7 +300,7 @@ def model_states_bytes(m: ModelShape, zero: dict | None, gpus_per_node: int, nod
     return 16 * m.n_params, 0, "ZeRO stage 0: 16 B/param on every GPU"
 
 
-_LORA_DIMS = {  # (in, out) of each Llama linear, as functions of the shape
+_LORA_DIMS = {  # (in, out) of each decoder linear (the same names in every family: families.py lora_targets)
     "q_proj": lambda m: (m.hidden, m.q_dim), "k_proj": lambda m: (m.hidden, m.kv_dim),
     "v_proj": lambda m: (m.hidden, m.kv_dim), "o_proj": lambda m: (m.q_dim, m.hidden),
     "gate_proj": lambda m: (m.hidden, m.intermediate), "up_proj": lambda m: (m.hidden, m.intermediate),
@@ -257,7 +311,10 @@ NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4-bit codes + double-quantized absmax (
 
 def peft_trainable_params(m: ModelShape, r: int, targets: list, modules_to_save: list) -> int:
     """LoRA A and B (r x (in + out)) on every targeted linear of every layer, plus fully trained modules."""
-    names = list(_LORA_DIMS) if list(targets) == ["all-linear"] else [t for t in targets if t in _LORA_DIMS]
+    from ..peft_utils import check_targets
+
+    check_targets(targets, m.fam)  # a name that is not a linear of this family: refused, not left uncounted
+    names = list(_LORA_DIMS) if list(targets) == ["all-linear"] else list(targets)
     n = m.layers * sum(r * sum(_LORA_DIMS[t](m)) for t in names)
     return n + sum(m.vocab * m.hidden for t in modules_to_save if t in ("embed_tokens", "lm_head"))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import batch as batchmod
-from .. import hardware, peft_utils, quiet
+from .. import families, hardware, peft_utils, quiet
 from .. import manifest as mf
 from ..config import Recipe
 from ..data.prepare import load_tokenizer, require_prepared
@@ -71,6 +71,7 @@ class Run:
     collate: object
     universal: Path | None = None  # resuming a checkpoint of another world size: its conversion (universal.py)
     saved_world: int | None = None  # ... and the world size that wrote it
+    family: families.Family | None = None  # the model's family (families.py): Liger patch, precision limits
 
     @property
     def on_gpu(self) -> bool:
@@ -108,7 +109,8 @@ def setup(r: Recipe) -> Run:
         if rank == 0:
             print("finetune: WANDB_API_KEY not set: wandb logs offline to ./wandb", flush=True)
     gpu = hardware.detect()
-    choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger)
+    family = model_family(r)  # an unknown architecture stops here, before any weight is read
+    choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger, family=family)
     data_manifest = require_prepared(r)
     bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
     train_ds = load_from_disk(str(layout(r).data_train))
@@ -126,7 +128,7 @@ def setup(r: Recipe) -> Run:
         # accelerate's plugin says GA 1 under DeepSpeed and takes the config's: harmless when that is ours
         quiet.drop_log("accelerate.accelerator", f"GradientAccumulationPlugin has 1, DeepSpeed config has {bp.grad_accum}.")
     collate = collate_packed if r.data.packing else make_collate_padded(data_manifest["pad_token_id"])
-    run = Run(rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate, folder, saved)
+    run = Run(rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate, folder, saved, family)
 
     run.say(f"{gpu.name}, world size {world}, {choice.describe()}; " + "; ".join(choice.reasons))
     if run.on_gpu:  # a wheel without this GPU's sm fails at its first kernel
@@ -144,6 +146,13 @@ def setup(r: Recipe) -> Run:
     return run
 
 
+def model_family(r: Recipe) -> families.Family:
+    """The base model's family from its config.json alone (a hub id: the config in the HF cache)."""
+    from transformers import AutoConfig
+
+    return families.of_config(AutoConfig.from_pretrained(str(layout(r).base)))
+
+
 def load_model(r: Recipe, run: Run):
     """The base model, sharded at load under ZeRO-3, Liger-patched where chosen, PEFT-wrapped for a PEFT recipe.
     Returns (model, parameters, trainable parameters or None)."""
@@ -151,11 +160,11 @@ def load_model(r: Recipe, run: Run):
 
     if run.choice.liger:
         # Patch the model classes before instantiation: Liger's fused linear cross entropy then runs
-        # inside LlamaForCausalLM.forward, where ZeRO-3 has gathered lm_head (trl #3368, Liger #1048).
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
-                                    cross_entropy=False)
-    load_kw = {"dtype": model_dtype(run.choice.precision), **peft_utils.load_kwargs(r, run.on_gpu)}
+        # inside <Family>ForCausalLM.forward, where ZeRO-3 has gathered lm_head (trl #3368, Liger #1048).
+        families.apply_liger(run.family)
+        run.say(f"liger: {run.family.liger}({', '.join(f'{k}={v}' for k, v in run.family.liger_kernels.items())})")
+    load_kw = {"dtype": model_dtype(run.choice.precision),
+               **peft_utils.load_kwargs(r, run.on_gpu, run.choice.precision)}
     model = AutoModelForCausalLM.from_pretrained(str(layout(r).base), attn_implementation=run.choice.attention,
                                                  **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
@@ -173,7 +182,7 @@ def load_model(r: Recipe, run: Run):
 
 def gather_lm_head_with_model(model) -> None:
     """Under ZeRO-3 with Liger: Liger's fused loss reads lm_head.weight without calling lm_head (liger_kernel 0.8.5
-    transformers/model/llama.py:184-197). ZeRO-3 gathers such a read only inside the engine's forward, after it
+    transformers/model/llama.py:184-197, qwen3.py:104, gemma3.py:110). ZeRO-3 gathers such a read only inside the engine's forward, after it
     has seen one (deepspeed 0.19.8 runtime/zero/parameter_offload.py:71-88, engine.py:2953-2955); validation calls
     the module itself, and a job resumed at its last step runs no engine forward before it: the weight would be
     an empty partition there (Liger: ZeroDivisionError). Registered, it is gathered with the top module."""
@@ -198,7 +207,7 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     safety = SafetyChecks()
     metrics = StepMetrics(layout(r).metrics, run.bp.global_batch_tokens, tokens["train_label"] / max(1, tokens["train_total"]),
                           flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
-                          run.gpu.peak_tflops, run.world, safety=safety)
+                          hardware.peak_tflops(run.gpu, run.choice.precision), run.world, safety=safety)
     bp = run.bp
     commit = CommitCheckpoints(r.train.save_total_limit, {
         "global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
