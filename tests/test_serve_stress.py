@@ -196,6 +196,7 @@ def _check_response(r: httpx.Response, method: str, path: str, body: bytes, leak
 @example(req=("POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, '
                             b'"logit_bias": {"abc": 1}}'))
 @example(req=("POST", COMP, b'{"prompt": [1, 2, 3]}'))
+@example(req=("POST", CHAT, b'{"messages": [{"role": {"a": 1}, "content": "hi"}]}'))  # a 500 (found by CI's run)
 @example(req=("POST", CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}], "response_format": {
     "type": "json_object", "schema": {"type": "string", "maxLength": 30000}}}).encode()))  # stack overflow
 @example(req=("POST", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "tools": ' + b'[' * 900 + b']' * 900

@@ -68,9 +68,10 @@ MODEL_STAGES = {"data", "inspect", "finetune", "quantize", "check", "eval", "pla
 def _family_first(args, r) -> None:
     """An architecture zerotune does not know is one message listing the supported ones, before anything loads.
     A hub model not fetched yet has no config here: the training worker checks it before it loads weights."""
-    from .families import of_recipe, precision_refusal
+    from .families import precision_refusal
+    from .planner.memory import family_of_recipe
 
-    family = of_recipe(r) if args.stage in MODEL_STAGES else None
+    family = family_of_recipe(r) if args.stage in MODEL_STAGES else None
     if args.stage == "data" and r.data.replay is not None and precision_refusal(family, "fp16"):
         from .hardware import detect
 

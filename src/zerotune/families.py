@@ -189,18 +189,6 @@ def public_config(name: str) -> Path | None:
     return None
 
 
-def of_recipe(r) -> Family | None:
-    """The recipe's family from its config (init_config, a local folder, or a shipped public config); None when
-    the config is not on this machine yet (a hub model before `make fetch`: the worker checks before it loads)."""
-    from .planner.memory import ModelConfigError, config_source
-
-    try:
-        path = config_source(r)
-    except ModelConfigError:
-        return None
-    return of_config(path)
-
-
 # ---- precision -----------------------------------------------------------------------------------
 
 def precision_refusal(family: Family | None, precision: str) -> str | None:

@@ -198,7 +198,7 @@ def _messages(messages) -> list:
         m = dict(m)
         if m.get("role") == "developer":  # OpenAI's newer name for the system turn
             m["role"] = "system"
-        if m.get("role") not in types:
+        if not isinstance(m.get("role"), str) or m["role"] not in types:  # a dict or list is no role (nor hashable)
             raise bad(f"Invalid value for '{where}.role': {json.dumps(m.get('role'))[:40]} is not one of "
                       f"{sorted([*types, 'developer'])}.", f"{where}.role")
         if m["role"] == "assistant":

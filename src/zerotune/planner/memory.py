@@ -79,6 +79,16 @@ def config_source(r: Recipe) -> Path:
         "Download the model (or just its config.json) into a folder and point model.name_or_path at it.")
 
 
+def family_of_recipe(r: Recipe):
+    """The recipe's family (families.py) from its config (init_config, a local folder, or a shipped public
+    config); None when the config is not on this machine yet (a hub model before `make fetch`: the worker checks
+    before it loads)."""
+    try:
+        return of_config(config_source(r))
+    except ModelConfigError:
+        return None
+
+
 @functools.lru_cache(maxsize=16)
 def _shape_from_config(path: str) -> ModelShape:
     import torch
