@@ -98,7 +98,8 @@ def test_the_first_set_is_the_task_and_leakage_settings_that_measure_nothing_are
         leak_tests([EvalSetCfg(name="task", path="t.jsonl", scorer="json_fields", max_leakage=0.1), RETENTION])
 
 
-def test_score_models_zeroes_leaked_answers_fresh_and_from_the_cache(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model_type,base_kwargs", [("llama", None), ("qwen3", {"enable_thinking": False})])
+def test_score_models_zeroes_leaked_answers_fresh_and_from_the_cache(tmp_path, monkeypatch, model_type, base_kwargs):
     """The answer cache keeps answers only; scores and leakage are recomputed from them, so check and eval agree
     whether they generated or read the cache."""
     import json
@@ -114,15 +115,18 @@ def test_score_models_zeroes_leaked_answers_fresh_and_from_the_cache(tmp_path, m
                              f"{{name: retention, path: {tmp_path / 'retention.jsonl'}, scorer: contains}}]"])
     paths = layout(r)
     paths.model.mkdir(parents=True)
-    (paths.model / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+    (paths.model / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": [arch]}))
     paths.gguf.parent.mkdir(parents=True)
     paths.gguf.write_bytes(b"GGUF")
     said = {"base": ["7", "Paris"], "hf": ['{"world": 7"}', "Paris"], "gguf": ['{"world": 7"}', '{"city": "Paris"}']}
     task_said = ['{"name": "Ada"}', '{"name": "Bob"}']
     generated = []
 
-    def hf_generate(model, tok, stop, rows, max_new_tokens, batch_size):
+    def hf_generate(model, tok, stop, rows, max_new_tokens, batch_size, template_kwargs=None):
         which = "hf" if model == paths.model else "base"
+        # the base model is asked as its makers use it off-task (Qwen3: no reasoning); the fine-tune as trained
+        assert (template_kwargs or None) == (base_kwargs if which == "base" else None), (which, template_kwargs)
         generated.append(which)
         return task_said if rows[0]["answer"] != "7" else said[which]
 

@@ -121,10 +121,27 @@ def test_qwen3_thinking_block_last_turn_trained_earlier_turns_in_history_form():
     assert _labels(tok, CHAT) == "Hello!<|im_end|>\n<think>\n\n</think>\n\nSure.<|im_end|>\n"
     assert _labels(tok, CHAT, "last_assistant") == "<think>\n\n</think>\n\nSure.<|im_end|>\n"
     assert _labels(tok, CHAT[:3]) == "<think>\n\n</think>\n\nHello!<|im_end|>\n"
+    # a reply that carries its reasoning: the earlier turn renders (and trains) only its answer, the last turn
+    # its whole block, as the template writes them
+    reasoned = [dict(m, content="<think>\nr1\n</think>\n\n" + m["content"]) if m["role"] == "assistant" else m
+                for m in CHAT]
+    assert _labels(tok, reasoned) == "Hello!<|im_end|>\n<think>\nr1\n</think>\n\nSure.<|im_end|>\n"
     q = FAMILIES["qwen3"]
     assert families.answer_text(q, "<think>\n\n</think>\n\nYou said: a b c") == "You said: a b c"
     assert families.answer_text(q, "You said: a b c") == "You said: a b c"
     assert families.answer_text(FAMILIES["llama"], "<think>x</think>y") == "<think>x</think>y"
+
+
+def test_the_base_qwen3_answers_without_reasoning_the_fine_tune_as_trained():
+    """check/eval's base column and data.replay prompt the base model with enable_thinking=False: Qwen3 reasons
+    by default, and a reasoning block cut off at the token budget would be scored (and replayed) as the answer."""
+    tok = _tokenizer("qwen3")
+    msgs = [{"role": "user", "content": "Capital of France?"}]
+    base = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                   **families.base_template_kwargs(FAMILIES["qwen3"]))
+    served = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert base == served + "<think>\n\n</think>\n\n"  # the block closed before the answer starts
+    assert families.base_template_kwargs(FAMILIES["llama"]) == {} == families.base_template_kwargs(None)
 
 
 def test_gemma_folds_the_system_prompt_into_the_first_user_turn_unlabelled():

@@ -98,10 +98,17 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
         raise MissingInputError(f"{models['hf']}: no fine-tuned model; run `make finetune RECIPE={r.name}` first.")
     if not models["gguf"].exists():
         raise MissingInputError(f"{models['gguf']}: no GGUF; run `make quantize RECIPE={r.name}` first.")
+    from .families import answer_text, base_template_kwargs, of_config
+
+    family = of_config(Path(models["hf"]))  # its quirks: Qwen3's answers open with a (here empty) thinking block
+    # how each model's prompts are rendered: the base model as its makers use it off-task (Qwen3 without
+    # thinking), the fine-tuned HF model and the GGUF as trained and served (the template as shipped)
+    kwargs = {"base": base_template_kwargs(family), "hf": {}, "gguf": {}}
     cache_file = layout(r).answers
     cache = mf.read(cache_file) or {}
     keys = {(which, es.name): hashlib.sha256(json.dumps([which, _identity(Path(models[which])), rows_by_set[es.name],
-                                                         es.max_new_tokens]).encode()).hexdigest()[:16]
+                                                         es.max_new_tokens] + ([kwargs[which]] if kwargs[which]
+                                                                               else [])).encode()).hexdigest()[:16]
             for which in models for es in sets}
     res: dict = {es.name: {} for es in sets}
     for which in models:
@@ -128,16 +135,14 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
             model, tok, stop = load_hf(models[which])
             for es in todo:
                 t0 = _started(which, es, rows_by_set)
-                preds = hf_generate(model, tok, stop, rows_by_set[es.name], es.max_new_tokens, r.eval.batch_size)
+                preds = hf_generate(model, tok, stop, rows_by_set[es.name], es.max_new_tokens, r.eval.batch_size,
+                                    kwargs[which])
                 res[es.name][which] = {"answers": preds, "seconds": round(time.perf_counter() - t0, 2)}
                 _done(res[es.name][which])
             del model
         for es in todo:
             cache[keys[which, es.name]] = res[es.name][which]
         mf.write(cache_file, cache)
-    from .families import answer_text, of_config
-
-    family = of_config(Path(models["hf"]))  # its quirks: Qwen3's answers open with a (here empty) thinking block
     for es in sets:
         for which, v in res[es.name].items():
             answers = [answer_text(family, a) for a in v["answers"]]  # cached raw; scored as a client reads them
@@ -181,24 +186,28 @@ def load_hf(model_dir: Path, tokenizer: Path | str | None = None, device: str = 
     return model, tok, stop
 
 
-def hf_generate(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int, batch_size: int = 8) -> list[str]:
+def hf_generate(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int, batch_size: int = 8,
+                template_kwargs: dict | None = None) -> list[str]:
     """Greedy chat answers (hf_answers without the finish flags)."""
-    return [text for text, _ in hf_answers(model, tok, stop, rows, max_new_tokens, batch_size)]
+    return [text for text, _ in hf_answers(model, tok, stop, rows, max_new_tokens, batch_size,
+                                           template_kwargs=template_kwargs)]
 
 
 def hf_answers(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int, batch_size: int = 8,
-               progress: str | None = None) -> list[tuple[str, bool]]:
+               progress: str | None = None, template_kwargs: dict | None = None) -> list[tuple[str, bool]]:
     """(answer, finished) per row: greedy chat answers, `batch_size` prompts per generate() call (one decode step
     then serves them all: on 2 CPU cores 8 prompts cost little more than one); finished = it ended with a stop
     token, not at max_new_tokens. Each prompt is tokenized alone, exactly as a batch of one would be, then
     left-padded, so every row's last prompt token sits at the same column and the new tokens line up.
     generate() derives position ids from the attention mask (cumsum - 1), so a padded row sees the positions it
-    would see alone. Prompts are grouped longest first, so a batch pads little. `progress`: a bar's label."""
+    would see alone. Prompts are grouped longest first, so a batch pads little. `progress`: a bar's label;
+    `template_kwargs`: passed to the chat template (families.base_template_kwargs)."""
     import torch
     from tqdm import tqdm
 
     prompts = [list(tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]) for row in rows]
+                                            return_dict=True, **(template_kwargs or {}))["input_ids"])
+               for row in rows]
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id  # Llama 3 ships without one
     pad = stop[0] if pad is None else pad
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))

@@ -233,6 +233,14 @@ def answer_text(family: Family | None, text: str) -> str:
     return text
 
 
+def base_template_kwargs(family: Family | None) -> dict:
+    """Chat-template arguments for the *base* model's answers (check and eval's base column, data.replay): a
+    family that reasons by default (Qwen3) is asked not to, as its makers document for direct answers, so its
+    answer fits the token budget and is the answer, not the start of a reasoning block. The fine-tuned model
+    and the GGUF keep the template as shipped: that is how they were trained and how they are served."""
+    return {"enable_thinking": False} if family is not None and family.thinking is not None else {}
+
+
 def llama_cpp_problems(family: Family, hf_config: dict) -> list[str]:
     """Where llama.cpp would compute something else than HF for this config ([]: nowhere we know of)."""
     out = []

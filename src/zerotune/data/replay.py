@@ -126,12 +126,22 @@ def _weights_identity(r: Recipe) -> str:
     return json.dumps([str(folder), _identity(Path(folder))])
 
 
+def _template_kwargs(r: Recipe) -> dict:
+    """How the base model is prompted (families.base_template_kwargs: Qwen3 answers without reasoning)."""
+    from ..families import base_template_kwargs, of_config
+    from ..weights import local_folder
+
+    return base_template_kwargs(of_config(Path(local_folder(str(layout(r).base)))))
+
+
 def replay_key(r: Recipe, tok) -> dict:
     """What the replay answers depend on (the data fingerprint holds it), and its digest (the cache file name)."""
     rp = r.data.replay
     inputs = {"format": FORMAT, "prompts_sha256": mf.sha256(_prompt_file(r)), "limit": rp.limit, "max_new_tokens": rp.max_new_tokens,
               "chat_template": hashlib.sha256((tok.chat_template or "").encode()).hexdigest(),
               "weights": _weights_identity(r)}
+    if _template_kwargs(r):
+        inputs["template_kwargs"] = _template_kwargs(r)
     return {"key": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16], "inputs": inputs}
 
 
@@ -167,7 +177,8 @@ def answer(r: Recipe, tok, prompts: list[dict], key: dict) -> dict:
     model, _, stop = load_hf(base, tokenizer=tok_dir if tok_dir.exists() else local_folder(r.model.tokenizer),
                              device=device, dtype=dtype)
     # the training tokenizer renders the prompts: the answers are for the template the conversations train in
-    got = hf_answers(model, tok, stop, prompts, rp.max_new_tokens, r.eval.batch_size, progress="data: replay")
+    got = hf_answers(model, tok, stop, prompts, rp.max_new_tokens, r.eval.batch_size, progress="data: replay",
+                     template_kwargs=_template_kwargs(r))
     del model
     seconds = time.perf_counter() - t0
     # a reply cut off at max_new_tokens is kept for its text, without the end-of-turn label (tokenize.py):

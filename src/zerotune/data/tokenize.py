@@ -188,6 +188,12 @@ def _history_end(full: str, start_text: str, end_text: str, msg: dict) -> int | 
     content = msg.get("content")
     if not isinstance(content, str) or not content or not full.startswith(start_text):
         return None
+    if "</think>" in content:
+        # a reply that carries its reasoning: Qwen3's template renders only the text after '</think>' (leading
+        # newlines dropped) once later messages follow, and reformats the block in the last-turn form
+        content = content.rsplit("</think>", 1)[1].lstrip("\n")
+        if not content:
+            return None
     cut = end_text.rfind(content)
     if cut < len(start_text):
         return None
