@@ -21,6 +21,9 @@ prediction where it has one. The table is printed and written as JSON (--out). E
   liger            Liger's real Triton kernels (RoPE, RMSNorm, SwiGLU, fused linear cross entropy) on a small
                    Llama in fp16 against the unpatched model: loss and gradients in training mode, logits in eval;
                    eval with labels and skip_logits=True matches the loss and never materialises seq x vocab.
+  liger_families   the same for Qwen3 (fp16) and Gemma 3 (bf16, or fp32 without it; never fp16), patched through
+                   families.apply_liger as the worker does, head_dim 128 and 32,768 q-norm rows: Liger's block
+                   RMSNorm kernel, which Qwen3-8B's and Gemma 3's q/k norms use and a Llama never does.
   zero3_1b         a Llama-3.2-1B-shaped model (random init) through the repo's training path (hardware.choose,
                    train/args.py training_kwargs, ds_config.build, HF Trainer + DeepSpeed ZeRO-3, gradient
                    checkpointing, Liger, fp16 below sm80 else bf16, sdpa with packed rows) at each --seq, per phase:
@@ -54,7 +57,7 @@ except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(REPO / "src"))
 
 GiB = 1024 ** 3
-CHECKS = ("fp16_loss_scale", "sdpa_packed", "liger", "zero3_1b")
+CHECKS = ("fp16_loss_scale", "sdpa_packed", "liger", "liger_families", "zero3_1b")
 PHASES = ("train", "validation", "samples", "save", "resume")
 DEFAULT_SEQ = (2048, 4096)
 DEFAULT_OUT = REPO / "runs" / "gpu_check" / "gpu_check.json"
@@ -106,7 +109,7 @@ def _positive(text: str) -> int:
     return v
 
 
-WORKERS = ("env", "fp16_loss_scale", "sdpa_packed", "liger", "zero3_1b", "zero3_1b_resume")
+WORKERS = ("env", "fp16_loss_scale", "sdpa_packed", "liger", "liger_families", "zero3_1b", "zero3_1b_resume")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1075,12 +1078,126 @@ def check_zero3_1b_resume(a) -> dict:
         return {"rows": [_fail(name, e, m)]}
 
 
+def family_config(family: str, vocab: int = 32000):
+    """A small config of another family zerotune trains, from the repo's tiny config (configs/models/), widened
+    to the 8B models' head_dim 128: 8 query heads x a 4,096-token row = 32,768 rows of q-norm, where Liger's
+    RMSNorm switches to its block kernel (liger_kernel/ops/rms_norm.py: n_cols <= 256 and n_rows >= 4096 * 8),
+    the path Qwen3-8B's and Gemma 3's q/k norms take and a Llama's 4,096-wide norms never do."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(REPO / "configs" / "models" / f"tiny_{family}.json"))
+    cfg.update(dict(vocab_size=vocab, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=128, use_cache=False, bos_token_id=0,
+                    eos_token_id=1, pad_token_id=0, initializer_range=0.05 if family == "qwen3" else 0.02))
+    if family == "gemma3":  # one sliding and one global layer; llama.cpp's scaling (families.llama_cpp_problems)
+        cfg.update(dict(layer_types=["sliding_attention", "full_attention"], sliding_window=512,
+                        query_pre_attn_scalar=128))
+    return cfg
+
+
+def check_liger_families(a) -> dict:
+    """Liger's kernels for Qwen3 and Gemma 3, patched through families.py as the worker patches them: train loss
+    and gradients and eval logits against the unpatched model, in the precision each family trains in on this
+    card (Qwen3: fp16, as on a V100; Gemma 3: bf16 where the card has it, else fp32, never fp16)."""
+    rows = []
+    seq = 4096
+    for family in ("qwen3", "gemma3"):
+        m = Measure()
+        name = f"liger {family}: train loss/grads, eval logits"
+        try:
+            if os.environ.get("TRITON_INTERPRET"):
+                raise RuntimeError("TRITON_INTERPRET is set: that runs Triton's interpreter, not the GPU kernels")
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            from zerotune import families
+
+            fam = families.FAMILIES[family]
+            if family == "qwen3":
+                dtype = torch.float16
+            else:
+                dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+            name = f"{name} ({str(dtype).removeprefix('torch.')})"
+            cfg = family_config(family)
+            g = torch.Generator().manual_seed(1)
+            ids = torch.randint(2, cfg.vocab_size, (1, seq), generator=g).cuda()
+
+            def loss_and_grads(model):
+                model.train()
+                model.zero_grad(set_to_none=True)
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                loss.backward()
+                return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                     if p.grad is not None}
+
+            torch.manual_seed(0)
+            ref = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").cuda()
+            loss0, grads0 = loss_and_grads(ref)
+            ref.eval()
+            with torch.no_grad():
+                logits0 = ref(input_ids=ids[:, :512], use_cache=False).logits.float()
+            state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+            # the same weights in fp32: the yardstick both 16-bit runs are measured against (in fp16 the
+            # unpatched model's own gradients are ~5% off in places, so patched vs unpatched alone misleads)
+            _, grads32 = loss_and_grads(ref.float())
+            del ref
+            torch.cuda.empty_cache()
+
+            families.apply_liger(fam)  # before instantiation, as train/worker.py does
+            patched = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").cuda()
+            patched.load_state_dict(state)
+            del state
+            attn, mlp = patched.model.layers[0].self_attn, patched.model.layers[0].mlp
+            missing = [what for what, mod in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm),
+                                              ("final norm", patched.model.norm), ("MLP", mlp))
+                       if "liger" not in type(mod).__module__]
+            if "liger" not in type(patched).forward.__module__:
+                missing.append("fused linear CE")
+            if missing:
+                raise RuntimeError(f"Liger did not patch: {', '.join(missing)}")
+            with m:
+                loss1, grads1 = loss_and_grads(patched)
+            rels = {n: _rel(grads1[n], grads0[n]) for n in grads0}
+            worst = max(rels, key=rels.get)
+            grad_rel = rels[worst]
+            # Liger's error against fp32, per tensor, over the unpatched model's own (floor 1e-3: fp32 itself)
+            excess = {n: _rel(grads1[n], grads32[n]) / max(_rel(grads0[n], grads32[n]), 1e-3) for n in grads0}
+            worst_x = max(excess, key=excess.get)
+            finite = all(bool(torch.isfinite(v).all()) for v in grads1.values())
+            patched.eval()
+            with torch.no_grad():
+                logits1 = patched(input_ids=ids[:, :512], use_cache=False).logits.float()
+            tol = logits_tolerance(dtype, float(logits0.abs().max())) if dtype != torch.float32 else 1e-3
+            logit_diff = float((logits1 - logits0).abs().max())
+            problems = []
+            if not finite:
+                problems.append("non-finite gradients")
+            if not abs(loss1 - loss0) <= 5e-3 * abs(loss0):
+                problems.append("train loss differs")
+            if not excess[worst_x] <= 2.0:
+                problems.append("gradients further from fp32 than the unpatched model's")
+            if not logit_diff <= tol:
+                problems.append("eval logits differ")
+            detail = (f"seq {seq} (q-norm rows {cfg.num_attention_heads * seq:,}: Liger's block RMSNorm), head_dim "
+                      f"{cfg.head_dim}: train loss {loss1:.5f} vs unpatched {loss0:.5f}; max relative grad diff "
+                      f"{grad_rel:.1e} ({worst}); against fp32, Liger's gradient error is at most "
+                      f"{excess[worst_x]:.2f}x the unpatched model's ({worst_x}; tol 2x); eval logits max diff {logit_diff:.1e} "
+                      f"(tol {tol:.1e}); patched via families.apply_liger ({fam.liger})")
+            rows.append(make_row(name, "FAIL" if problems else "ok", "; ".join(problems + [detail]), **m.cols()))
+            del patched, grads0, grads1, grads32, logits0, logits1
+            torch.cuda.empty_cache()
+        except Exception as e:
+            rows.append(_fail(name, e, m))
+    return {"rows": rows}
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Parent side
 # --------------------------------------------------------------------------------------------------------------
 
 WORKER_FNS = {"env": worker_env, "fp16_loss_scale": check_fp16_loss_scale, "sdpa_packed": check_sdpa_packed,
-              "liger": check_liger, "zero3_1b": check_zero3_1b, "zero3_1b_resume": check_zero3_1b_resume}
+              "liger": check_liger, "liger_families": check_liger_families, "zero3_1b": check_zero3_1b,
+              "zero3_1b_resume": check_zero3_1b_resume}
 
 
 def worker_main(a) -> int:

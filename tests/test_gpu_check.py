@@ -45,7 +45,7 @@ def test_without_cuda_prints_one_line_and_exits_0(tmp_path):
 def test_parse_args_defaults_and_choices(gc):
     a = gc.parse_args([])
     assert a.seq == [2048, 4096]
-    assert a.checks == ["fp16_loss_scale", "sdpa_packed", "liger", "zero3_1b"]
+    assert a.checks == ["fp16_loss_scale", "sdpa_packed", "liger", "liger_families", "zero3_1b"]
     assert a.steps == 3 and a.timeout == 1800 and not a.force and a.worker is None
     assert a.out == REPO / "runs" / "gpu_check" / "gpu_check.json"
     a = gc.parse_args(["--seq", "4096", "--checks", "liger, zero3_1b", "--out", "x.json", "--steps", "5",
@@ -293,3 +293,20 @@ def test_worker_process_protocol(gc, tmp_path, monkeypatch):
     assert "CUDA" in row["detail"] or "cuda" in row["detail"]
     log = (tmp_path / "env.log").read_text()
     assert "--worker env" in log and gc.ROW_MARK in log
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_family_liger_config_reaches_the_block_rmsnorm_kernel(gc, family):
+    """The family Liger check's shape sends the q norm through Liger's block RMSNorm kernel (n_cols <= 256 and
+    n_rows >= 4096 * 8 in liger_kernel/ops/rms_norm.py), as Qwen3-8B's and Gemma 3's q/k norms at 8K do."""
+    import inspect
+
+    from liger_kernel.ops import rms_norm
+
+    from zerotune.families import FAMILIES, of_config
+
+    cfg = gc.family_config(family)
+    assert of_config(cfg).name == family and cfg.head_dim == 128
+    assert cfg.num_attention_heads * 4096 >= 4096 * 8  # the check's seq is 4096
+    assert "n_rows < 4096 * 8" in inspect.getsource(rms_norm)  # the threshold this shape is sized for
+    assert FAMILIES[family].liger_kernels["rms_norm"] and "liger_families" in gc.CHECKS
