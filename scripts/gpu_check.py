@@ -693,6 +693,15 @@ def check_sdpa_packed(a) -> dict:
 # Check 3: Liger's real Triton kernels
 # --------------------------------------------------------------------------------------------------------------
 
+def loss_and_grads(model, ids) -> tuple[float, dict]:
+    """Training-mode loss on `ids` (labels = ids) and a copy of every parameter's gradient."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def _rel(a, b) -> float:
     return float((a.float() - b.float()).norm() / max(float(b.float().norm()), 1e-30))
 
@@ -714,16 +723,9 @@ def check_liger(a) -> dict:
         ids = torch.randint(2, cfg.vocab_size, (1, short), generator=g).cuda()
         ids_long = torch.randint(2, cfg.vocab_size, (1, long), generator=g).cuda()
 
-        def loss_and_grads(model):
-            model.train()
-            model.zero_grad(set_to_none=True)
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
         torch.manual_seed(0)
         ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float16, attn_implementation="sdpa").cuda()
-        loss0, grads0 = loss_and_grads(ref)
+        loss0, grads0 = loss_and_grads(ref, ids)
         ref.eval()
         ref.zero_grad(set_to_none=True)
         unfused = Measure()  # the same eval loss unpatched: full logits, upcast to fp32 by ForCausalLMLoss
@@ -752,7 +754,7 @@ def check_liger(a) -> dict:
         if missing:
             raise RuntimeError(f"Liger did not patch: {', '.join(missing)}")
         with m:
-            loss1, grads1 = loss_and_grads(patched)
+            loss1, grads1 = loss_and_grads(patched, ids)
         grad_rel = max(_rel(grads1[n], grads0[n]) for n in grads0)
         patched.eval()
         with torch.no_grad():
@@ -1122,24 +1124,16 @@ def check_liger_families(a) -> dict:
             g = torch.Generator().manual_seed(1)
             ids = torch.randint(2, cfg.vocab_size, (1, seq), generator=g).cuda()
 
-            def loss_and_grads(model):
-                model.train()
-                model.zero_grad(set_to_none=True)
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-                loss.backward()
-                return float(loss), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                     if p.grad is not None}
-
             torch.manual_seed(0)
             ref = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa").cuda()
-            loss0, grads0 = loss_and_grads(ref)
+            loss0, grads0 = loss_and_grads(ref, ids)
             ref.eval()
             with torch.no_grad():
                 logits0 = ref(input_ids=ids[:, :512], use_cache=False).logits.float()
             state = {k: v.detach().clone() for k, v in ref.state_dict().items()}
             # the same weights in fp32: the yardstick both 16-bit runs are measured against (in fp16 the
             # unpatched model's own gradients are ~5% off in places, so patched vs unpatched alone misleads)
-            _, grads32 = loss_and_grads(ref.float())
+            _, grads32 = loss_and_grads(ref.float(), ids)
             del ref
             torch.cuda.empty_cache()
 
@@ -1156,7 +1150,7 @@ def check_liger_families(a) -> dict:
             if missing:
                 raise RuntimeError(f"Liger did not patch: {', '.join(missing)}")
             with m:
-                loss1, grads1 = loss_and_grads(patched)
+                loss1, grads1 = loss_and_grads(patched, ids)
             rels = {n: _rel(grads1[n], grads0[n]) for n in grads0}
             worst = max(rels, key=rels.get)
             grad_rel = rels[worst]

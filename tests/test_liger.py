@@ -16,6 +16,14 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
+# loss and every gradient on `ids` with `labels`, as both scripts below compare them (with and without Liger)
+LOSS_AND_GRADS = textwrap.dedent("""\
+    def loss_and_grads(model):
+        model.zero_grad()
+        out = model(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}""")
+
 SCRIPT = textwrap.dedent("""
     import json, torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -28,11 +36,7 @@ SCRIPT = textwrap.dedent("""
     ref = LlamaForCausalLM(cfg)
     ids = torch.randint(0, 512, (2, 48))
     labels = ids.clone(); labels[:, :10] = -100
-    def loss_and_grads(model):
-        model.zero_grad()
-        out = model(input_ids=ids, labels=labels)
-        out.loss.backward()
-        return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    {LOSS_AND_GRADS}
     l0, g0 = loss_and_grads(ref)
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     apply_liger_kernel_to_llama(rope=True, fused_linear_cross_entropy=True, rms_norm=False, swiglu=False,
@@ -46,7 +50,7 @@ SCRIPT = textwrap.dedent("""
     print(json.dumps({"ref": l0, "liger": l1, "max_grad_diff": gdiff,
                       "rope_patched": "liger" in ml.apply_rotary_pos_emb.__module__,
                       "flce_patched": "liger" in type(patched).forward.__module__}))
-""")
+""").replace("{LOSS_AND_GRADS}", LOSS_AND_GRADS)
 
 
 def test_liger_rope_and_fused_linear_cross_entropy_match_reference():
@@ -163,11 +167,7 @@ FAMILY_SCRIPT = textwrap.dedent("""
     }
     ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(1))
     labels = ids.clone(); labels[:, :10] = -100
-    def loss_and_grads(model):
-        model.zero_grad()
-        out = model(input_ids=ids, labels=labels)
-        out.loss.backward()
-        return out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    {LOSS_AND_GRADS}
     res = {}
     for name, build in builds.items():
         torch.manual_seed(0)
@@ -185,7 +185,7 @@ FAMILY_SCRIPT = textwrap.dedent("""
         res[name] = {"ref": l0, "liger": l1, "max_grad_diff": max((g0[n] - g1[n]).abs().max().item() for n in g0),
                      "flce_patched": "liger" in type(patched).forward.__module__}
     print(json.dumps(res))
-""")
+""").replace("{LOSS_AND_GRADS}", LOSS_AND_GRADS)
 
 
 def test_each_familys_liger_patch_matches_reference():
