@@ -92,6 +92,9 @@ def measure(h, layers, seq, micro=1, inter=None, heads=4, kv_heads=2, vocab=512,
                   num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=4096,
                   attn_implementation=attention)
     torch.manual_seed(0)
+    if attention == "sdpa_docs":
+        from zerotune.attention import register
+        register()
     cfg, model = build(family, common, h // heads, window, layer_types)
     model = model.to(dtype).train()
     if checkpointing:
@@ -147,6 +150,21 @@ CONFIGS = [
     ("gemma3 h128 L2 S256 W64 bf16 eager, s/f", dict(family="gemma3", h=128, layers=2, seq=256, dtype=torch.bfloat16,
                                                      attention="eager", window=64,
                                                      layer_types=["sliding_attention", "full_attention"])),
+    # sdpa_docs (attention.py): per-document SDPA, k/v repeated, no mask; Gemma's window by banded blocks
+    ("h192 L3 S384 bf16 sdpa_docs packed", dict(h=192, layers=3, seq=384, heads=6, kv_heads=2, dtype=torch.bfloat16,
+                                                attention="sdpa_docs", packing=True)),
+    ("h192 L3 S384 bf16 sdpa_docs packed ckpt", dict(h=192, layers=3, seq=384, heads=6, kv_heads=2,
+                                                     dtype=torch.bfloat16, attention="sdpa_docs", packing=True,
+                                                     checkpointing=True)),
+    ("h128 L2 S256 x2 fp32 sdpa_docs ckpt", dict(h=128, layers=2, seq=256, micro=2, attention="sdpa_docs",
+                                                 checkpointing=True)),
+    ("qwen3 h192 L3 S384 bf16 sdpa_docs packed", dict(family="qwen3", h=192, layers=3, seq=384, heads=6, kv_heads=2,
+                                                      dtype=torch.bfloat16, attention="sdpa_docs", packing=True)),
+    ("gemma3 h128 L6 S256 W64 fp32 sdpa_docs", dict(family="gemma3", h=128, layers=6, seq=256, window=64,
+                                                    attention="sdpa_docs")),
+    ("gemma3 h128 L6 S256 W64 bf16 sdpa_docs ckpt", dict(family="gemma3", h=128, layers=6, seq=256, window=64,
+                                                         dtype=torch.bfloat16, attention="sdpa_docs",
+                                                         checkpointing=True)),
 ]
 
 

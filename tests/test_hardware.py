@@ -6,11 +6,11 @@ from zerotune.hardware import GPUS, CapabilityError, choose, gpu_for_capability
 
 
 @pytest.mark.parametrize("cap,name,precision,attention,liger", [
-    ((7, 0), "Tesla V100-SXM2-32GB", "fp16", "sdpa", True),
-    ((7, 5), "Tesla T4", "fp16", "sdpa", True),
+    ((7, 0), "Tesla V100-SXM2-32GB", "fp16", "sdpa_docs", True),
+    ((7, 5), "Tesla T4", "fp16", "sdpa_docs", True),
     ((8, 0), "NVIDIA A100-SXM4-80GB", "bf16", "flash_attention_2", True),
     ((9, 0), "NVIDIA H100 80GB HBM3", "bf16", "flash_attention_2", True),
-    (None, "", "fp32", "sdpa", False),
+    (None, "", "fp32", "sdpa_docs", False),
 ])
 def test_auto_choices_by_capability(cap, name, precision, attention, liger):
     c = choose(gpu_for_capability(cap, name), fa2_installed=True)
@@ -18,9 +18,9 @@ def test_auto_choices_by_capability(cap, name, precision, attention, liger):
     assert any("auto ->" in why for why in c.reasons), "auto must say what it chose"
 
 
-def test_sm80_without_flash_attn_installed_uses_sdpa_and_says_why():
+def test_sm80_without_flash_attn_installed_uses_sdpa_docs_and_says_why():
     c = choose(GPUS["a100-80gb"], fa2_installed=False)
-    assert c.attention == "sdpa"
+    assert c.attention == "sdpa_docs"
     assert any("flash-attn not installed" in why for why in c.reasons)
 
 
@@ -30,7 +30,7 @@ def test_unlisted_gpu_follows_its_architecture():
 
 
 @pytest.mark.parametrize("gpu,kw,fix", [
-    ("v100-32gb", {"attention": "flash_attention_2"}, "train.attention=sdpa"),
+    ("v100-32gb", {"attention": "flash_attention_2"}, "train.attention=sdpa_docs"),
     ("t4", {"precision": "bf16"}, "train.precision=fp16"),
     ("cpu", {"precision": "fp16"}, "train.precision=fp32"),
     ("cpu", {"liger": "on"}, "train.liger=off"),

@@ -72,6 +72,7 @@ import pytest
 import torch
 from conftest import allocation_events
 
+from zerotune.attention import load_name
 from zerotune.planner import calibration
 from zerotune.planner.memory import ModelShape, memory_breakdown
 from zerotune.planner.phases import MODEL_STATES, phase_plan, replay_plan
@@ -157,7 +158,7 @@ def _model(c):
 
     cfg = LlamaConfig(hidden_size=c["h"], intermediate_size=c["inter"], num_hidden_layers=c["layers"],
                       num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"], vocab_size=c["vocab"],
-                      max_position_embeddings=4096, attn_implementation="sdpa")
+                      max_position_embeddings=4096, attn_implementation=load_name(c["attention"]))
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).to(c["dtype"]).eval()
 
@@ -168,7 +169,7 @@ def _predicted(c) -> dict:
     m = ModelShape(0, 0, h, c["layers"], c["heads"], c["kv_heads"], h // c["heads"], c["inter"], c["vocab"], 4096,
                    "test")
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[c["dtype"]]
-    common = dict(precision=precision, attention="sdpa", liger=False, packing=c["packed"], zero=None)
+    common = dict(precision=precision, attention=c["attention"], liger=False, packing=c["packed"], zero=None)
     train = memory_breakdown(m, seq=S, micro=1, checkpointing=True, gpus_per_node=1, nodes=1, gpu_is_cuda=False,
                              **common)
     plan = phase_plan(m=m, train=train, world=1, gpus_per_node=1, on_gpu=False, seq=S, micro=1, grad_accum=1,
@@ -208,9 +209,9 @@ def _measured(c) -> dict:
     return out
 
 
-def _c(h, layers, seq, inter, vocab, dtype=torch.float32, heads=4, kv_heads=2, packed=False, new=4):
+def _c(h, layers, seq, inter, vocab, dtype=torch.float32, heads=4, kv_heads=2, packed=False, new=4, attention="sdpa"):
     return dict(h=h, layers=layers, seq=seq, inter=inter, vocab=vocab, dtype=dtype, heads=heads, kv_heads=kv_heads,
-                packed=packed, new=new)
+                packed=packed, new=new, attention=attention)
 
 
 bf16 = torch.bfloat16
@@ -224,6 +225,10 @@ CONFIGS = {
     "h128 L2 S1024 fp32 packed V256 I256": _c(128, 2, 1024, 256, 256, packed=True),
     "h256 L3 S768 bf16 packed V1024 I512 8/2 heads": _c(256, 3, 768, 512, 1024, bf16, heads=8, packed=True),
     "h64 L4 S16 fp32 V256 I64 2/2 heads +48 new": _c(64, 4, 16, 64, 256, heads=2, kv_heads=2, new=48),
+    # sdpa_docs (attention.py): per document, k/v repeated, no mask
+    "h128 L2 S1024 fp32 packed V256 I256 sdpa_docs": _c(128, 2, 1024, 256, 256, packed=True, attention="sdpa_docs"),
+    "h256 L3 S768 bf16 packed V1024 I512 8/2 heads sdpa_docs": _c(256, 3, 768, 512, 1024, bf16, heads=8, packed=True,
+                                                                 attention="sdpa_docs"),
 }
 
 

@@ -34,7 +34,7 @@ def test_8b_recommendation(plan8b):
     rec = plan8b["recommended"]
     assert rec["seq_len"] * rec["micro_batch_size"] * plan8b["cluster"]["world_size"] * rec["grad_accum"] == 62_914_560
     assert (rec["seq_len"], rec["micro_batch_size"], rec["grad_accum"]) == (16384, 1, 480)  # the recipe's own
-    assert plan8b["choice"] == {**plan8b["choice"], "precision": "fp16", "attention": "sdpa", "liger": True}
+    assert plan8b["choice"] == {**plan8b["choice"], "precision": "fp16", "attention": "sdpa_docs", "liger": True}
     # 32K at micro-batch 1 does not fit 32 GB without offload (NOTES)
     assert not next(o for o in plan8b["options"] if o["seq_len"] == 32768 and o["micro_batch_size"] == 1)["fits"]
     assert 1 < plan8b["time"]["seconds_per_step"] / 3600 < 6

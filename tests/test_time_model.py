@@ -147,7 +147,7 @@ def test_8b_nodes_table(plan8b):
     rows = {row["nodes"]: row for row in plan8b["time"]["nodes"]["rows"]}
     one, four = rows[1]["clusters"]["v100-sxm2-1xedr"], rows[4]["clusters"]["v100-sxm2-1xedr"]
     assert (rows[1]["grad_accum"], rows[4]["grad_accum"]) == (480, 120)
-    assert 4 < one["seconds_per_step"] / 3600 < 6
+    assert 3 < one["seconds_per_step"] / 3600 < 4  # per-document attention (sdpa_docs); 4.97 h with the dense mask
     # at 16K tokens per micro-step compute dominates even across nodes: 4 nodes are nearly 4x, not exactly
     assert 3.5 < four["speedup"] < 4
     assert four["communication_over_compute"] > 10 * one["communication_over_compute"]
@@ -165,7 +165,7 @@ def test_offload_on_four_gpus():
     t = compute_plan(load_recipe("llama8b_zero3_offload"))["time"]
     pm = t["per_micro_step"]
     assert pm["offload_grad_pcie_s"] < pm["compute_s"]  # hidden at 16K tokens per micro-step
-    assert 8 < t["seconds_per_step"] / 3600 < 12 and t["dominant"] == "compute"
+    assert 6 < t["seconds_per_step"] / 3600 < 8 and t["dominant"] == "compute"
     assert t["terms"]["optimizer"] == pytest.approx(8_030_261_248 / tm.F("cpu_adam") + 2 * 8_030_261_248 / 4 / 6e9)
 
 

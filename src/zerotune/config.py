@@ -136,7 +136,7 @@ class TrainCfg:
     adam_beta2: float = _f(0.95, "AdamW beta2")
     max_grad_norm: float = _f(1.0, "Gradient clipping")
     precision: Literal["auto", "fp32", "fp16", "bf16"] = _f("auto", "auto = bf16 on sm80+, fp16 on V100/T4, fp32 on CPU")
-    attention: Literal["auto", "sdpa", "eager", "flash_attention_2"] = _f("auto", "auto = flash_attention_2 on sm80+ when installed, else sdpa")
+    attention: Literal["auto", "sdpa_docs", "sdpa", "eager", "flash_attention_2"] = _f("auto", "auto = flash_attention_2 on sm80+ when installed, else sdpa_docs (SDPA per document of a packed row, no S x S mask); sdpa = SDPA with transformers' dense block-causal mask")
     liger: Literal["auto", "on", "off"] = _f("auto", "Liger kernels: auto = on with a CUDA GPU, off on CPU")
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward (True = less memory)")
     deepspeed: Optional[str] = _f("configs/deepspeed/zero3.json", "DeepSpeed JSON (Trainer-owned values stay 'auto'); null = no DeepSpeed")

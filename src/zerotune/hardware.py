@@ -122,7 +122,7 @@ def dtype_bytes(precision: str) -> int:
 @dataclass(frozen=True)
 class Choice:
     precision: str  # fp32 | fp16 | bf16
-    attention: str  # sdpa | eager | flash_attention_2
+    attention: str  # sdpa_docs | sdpa | eager | flash_attention_2
     liger: bool
     reasons: tuple[str, ...]
 
@@ -162,22 +162,24 @@ def choose(gpu: GPU, precision: str = "auto", attention: str = "auto", liger: st
                               f"fp16: {no_fp16}. Use train.precision={alt}.")
 
     if attention == "auto":
+        # sdpa_docs (attention.py): packed rows attend within each document with SDPA's causal kernel, no S x S mask
         if gpu.flash_attention_2 and fa2_installed:
             attention = "flash_attention_2"
         else:
-            attention = "sdpa"
+            attention = "sdpa_docs"
         reason = ("sm80+ with flash-attn installed" if attention == "flash_attention_2" else
-                  f"{gpu.name} has no FlashAttention 2; SDPA uses its memory-efficient kernel" if on_gpu and not gpu.flash_attention_2 else
-                  "flash-attn not installed (pip install -e .[flash])" if gpu.flash_attention_2 else "CPU")
+                  f"{gpu.name} has no FlashAttention 2: SDPA per document, memory-efficient kernel" if on_gpu and not gpu.flash_attention_2 else
+                  "flash-attn not installed (pip install -e .[flash]): SDPA per document" if gpu.flash_attention_2 else
+                  "CPU: SDPA per document")
         why.append(f"attention auto -> {attention} ({reason})")
     elif attention == "flash_attention_2":
         if not gpu.flash_attention_2:
             raise CapabilityError(f"attention flash_attention_2 requested but {gpu.name} "
                                   f"(sm{''.join(map(str, gpu.capability)) if gpu.capability else ' n/a'}) is not supported "
-                                  "by FlashAttention 2 (needs sm80+, flash-attention #891). Use train.attention=sdpa.")
+                                  "by FlashAttention 2 (needs sm80+, flash-attention #891). Use train.attention=sdpa_docs (or auto).")
         if not fa2_installed:
             raise CapabilityError("attention flash_attention_2 requested but flash-attn is not installed. "
-                                  "Install it with `pip install -e .[flash]` or use train.attention=sdpa.")
+                                  "Install it with `pip install -e .[flash]` or use train.attention=sdpa_docs (or auto).")
 
     if liger == "auto":
         use_liger = on_gpu

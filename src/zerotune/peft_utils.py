@@ -162,12 +162,14 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref, base: Path, tokenizer_sa
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from .attention import load_name
     from .verify import SaveVerificationError, compare_logits, logit_tolerance, model_dtype, verify_saved_model
 
     for f in ADAPTER_FILES:
         if not (tmp / f).exists():
             raise SaveVerificationError(f"{tmp}: {f} was not written.")
     probe, ref_logits = ref.probe, ref.logits
+    attn = load_name(ref.attention)  # the probe is a packed prefix: the kernel training ran, at every reload
     on_gpu = torch.cuda.is_available()
     report = {"method": r.peft.method, "trainable_params": ref.trainable_params}
 
@@ -176,10 +178,11 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref, base: Path, tokenizer_sa
         kw = {"quantization_config": bnb_config(on_gpu, ref.precision), "dtype": compute_dtype(on_gpu, ref.precision)}
         if on_gpu:
             kw["device_map"] = {"": 0}
-        trained_base = AutoModelForCausalLM.from_pretrained(str(base), **kw)
+        trained_base = AutoModelForCausalLM.from_pretrained(str(base), attn_implementation=attn, **kw)
         keep_4bit_layout(trained_base)  # the same kernels as in training
     else:
-        trained_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=model_dtype(ref.precision))
+        trained_base = AutoModelForCausalLM.from_pretrained(str(base), dtype=model_dtype(ref.precision),
+                                                            attn_implementation=attn)
     reloaded = _logits(PeftModel.from_pretrained(trained_base, str(tmp)), probe)
     d = compare_logits(reloaded, ref_logits)["max_abs_logit_diff"]
     tol = logit_tolerance(ref.precision, ref_logits)
@@ -194,7 +197,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref, base: Path, tokenizer_sa
 
     # 2. merge into the base loaded on the CPU in the training dtype (never into a 4-bit base)
     dtype = model_dtype(ref.precision)
-    base16 = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
+    base16 = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype, attn_implementation=attn)
     n_base = sum(p.numel() for p in base16.parameters())
     pm = PeftModel.from_pretrained(base16, str(tmp))
     unmerged = _logits(pm, probe)
@@ -218,7 +221,7 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref, base: Path, tokenizer_sa
     tokenizer_save(mtmp)
     del merged, pm, base16  # the reload must not sit beside a second copy (8B: 16 GB each in 16-bit)
     gc.collect()
-    saved = verify_saved_model(mtmp, n_base, probe, merged_logits, ref.precision)
+    saved = verify_saved_model(mtmp, n_base, probe, merged_logits, ref.precision, ref.attention)
     report.update({k: saved[k] for k in ("params", "files", "max_abs_logit_diff", "top1_agreement", "probe_tokens")})
     adir = layout(r).adapter
     atmp = adir.with_name(adir.name + ".tmp")

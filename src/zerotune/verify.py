@@ -58,10 +58,15 @@ def compare_logits(logits, ref_logits) -> dict:
             "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
 
 
-def verify_saved_model(folder: Path, expected_params: int, probe: dict, ref_logits, precision: str) -> dict:
+def verify_saved_model(folder: Path, expected_params: int, probe: dict, ref_logits, precision: str,
+                       attention: str = "sdpa") -> dict:
+    """attention: the kernel training ran (attention.py's sdpa_docs on packed rows), so the probe's packed prefix
+    takes the same path on reload."""
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
+
+    from .attention import load_name
 
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
@@ -82,7 +87,8 @@ def verify_saved_model(folder: Path, expected_params: int, probe: dict, ref_logi
         raise SaveVerificationError(f"{folder}: empty tensors in the saved model: {empty[:5]} (DeepSpeed #3841).")
     if n != expected_params:
         raise SaveVerificationError(f"{folder}: saved {n:,} parameters, the model has {expected_params:,}.")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model_dtype(precision))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=model_dtype(precision),
+                                                 attn_implementation=load_name(attention))
     model.eval()
     with torch.no_grad():
         logits = model(**{k: v.cpu() for k, v in probe.items()}, use_cache=False).logits

@@ -67,6 +67,18 @@ def packed_row(docs: Iterable[tuple], seq_len: int, pad_id: int) -> tuple[dict, 
     return row, pad
 
 
+def attention_pairs(position_ids) -> int:
+    """Sum over the row's documents of length^2 (the padding tail counts as one): what per-document causal attention
+    computes in a row is proportional to it (a dense S x S mask: S^2). Documents as attention.py splits them: a new
+    one wherever a position does not follow the previous one by 1."""
+    pos = np.asarray(position_ids)
+    if not len(pos):
+        return 0
+    starts = np.flatnonzero(np.r_[True, pos[1:] != pos[:-1] + 1])
+    lengths = np.diff(np.r_[starts, len(pos)])
+    return int((lengths.astype(np.int64) ** 2).sum())
+
+
 def iter_packed(bins: list[list[int]], get_doc: Callable[[int], tuple], seq_len: int,
                 pad_id: int) -> Iterator[tuple[dict, int]]:
     """Rows for `bins`; documents inside a bin keep their original order."""

@@ -36,7 +36,7 @@ from ..config import Recipe, resolve_path
 from ..errors import MissingInputError, UserError
 from ..layout import layout
 from .formats import read_row
-from .packing import best_fit_decreasing, iter_packed
+from .packing import attention_pairs, best_fit_decreasing, iter_packed
 from .replay import replay_key, replay_source
 from .sources import SKIP_HINT, BadSample, mixture, mixture_plan
 from .tokenize import IGNORE, ChatRenderer, encode_batch, require_chat_template
@@ -370,7 +370,7 @@ def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Re
 
     schema = pa.schema([(k, pa.list_(pa.int32())) for k in ("input_ids", "labels", "position_ids")])
     arrow = work / f"{desc}.arrow"
-    n_rows, padding, total = 0, 0, 0
+    n_rows, padding, total, pairs = 0, 0, 0, 0
     if r.data.packing:
         bins = best_fit_decreasing(lengths[doc_idx], r.data.seq_len)
         rows = iter_packed(bins, lambda k: store[int(doc_idx[k])], r.data.seq_len, pad_id)
@@ -404,6 +404,7 @@ def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Re
             n_rows += 1
             padding += pad
             total += len(row["input_ids"])
+            pairs += attention_pairs(row["position_ids"])
             buf_tokens += len(row["input_ids"])
             bar.update(1)
             if buf_tokens >= WRITE_TOKENS:
@@ -421,7 +422,7 @@ def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Re
         if was_enabled:
             datasets.enable_progress_bars()
     arrow.unlink()
-    return {"rows": n_rows, "padding": padding, "total_tokens": total}
+    return {"rows": n_rows, "padding": padding, "total_tokens": total, "attention_pairs": pairs}
 
 
 def _percentiles(lengths) -> dict:
@@ -501,6 +502,9 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
             "packing": {"enabled": r.data.packing, "seq_len": r.data.seq_len,
                         "efficiency": round(real / tr["total_tokens"], 4) if r.data.packing else None},
             "doc_length": _percentiles(lengths),
+            # sum of d^2 / sum of d over the training rows' documents (padding tails included): the mean span a token
+            # attends over with per-document attention; the planner times attention with it (plan.py _flops)
+            "attention_span": round(tr["attention_pairs"] / max(1, tr["total_tokens"]), 1),
             "pad_token_id": tok.pad_token_id,
             "replay": replay,
             "timing_s": {"tokenize": round(t1 - t0, 2), "pack_and_write": round(t2 - t1, 2)},

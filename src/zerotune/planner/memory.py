@@ -120,11 +120,27 @@ def model_shape(r: Recipe) -> ModelShape:
 
 def _attention_has_mask(attention: str, packing: bool, micro: int, padded: bool | None = None) -> bool:
     # Packed rows (position_ids restarting at 0) or padded micro-batches give sdpa/eager a dense
-    # (micro, 1, S, S) mask; flash_attention_2 uses varlen sequence boundaries instead. Unpacked
+    # (micro, 1, S, S) mask; flash_attention_2 uses varlen sequence boundaries instead, and sdpa_docs
+    # (attention.py) splits packed rows by document without a mask: only a padded batch gives it one. Unpacked
     # data with micro-batch > 1 is padded (length-grouped), unless the caller says otherwise.
     if padded is None:
         padded = micro > 1 and not packing
+    if attention == "sdpa_docs":
+        return bool(padded)
     return attention != "flash_attention_2" and (packing or padded)
+
+
+def sliding_block_mask_elements(seq: int, window: int) -> int:
+    """sdpa_docs on a sliding-window layer (attention.py _attend): a document longer than the window is attended
+    in query blocks of `window` rows against the keys they can see, each with its own (rows x keys) mask, which
+    SDPA converts to the query dtype and saves for backward. Counted for one document spanning the whole row (the
+    worst case: shorter documents need fewer or no blocks)."""
+    if seq <= window:
+        return 0
+    total = 0
+    for c in range(0, seq, window):
+        total += min(window, seq - c) * (min(seq, c + window) - max(0, c - window + 1))
+    return total
 
 
 def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, attention: str = "sdpa",
@@ -192,6 +208,10 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
             # torch converts the bool mask to the query dtype and the kernel saves it: micro x S x S x e per
             # layer being differentiated.
             kv = 2 * e * T * m.q_dim + e * b * S * S
+        elif attention == "sdpa_docs":
+            # k/v repeated to every query head (attention.py), no mask; the documents' outputs (saved by SDPA)
+            # are concatenated into a second copy that o_proj saves: SDPA's single output was shared with it
+            kv = 2 * e * T * m.q_dim + e * T * m.q_dim
         else:
             kv = 2 * e * T * m.kv_dim  # native GQA: k, v at kv heads
         # q, k, v, output (shared with o_proj's input), logsumexp in fp32
@@ -202,9 +222,13 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
     full_mask = _attention_has_mask(attention, packing, micro, padded)
     kinds = {"full_attention": attention_bytes(full_mask)}
     if m.sliding_layers:
-        # masking_utils.py _ignore_causal_mask_sdpa: a sliding layer gets a dense mask once seq >= its window
-        slide_mask = full_mask or (attention != "flash_attention_2" and seq >= (m.sliding_window or seq + 1))
-        kinds["sliding_attention"] = attention_bytes(slide_mask)
+        if attention == "sdpa_docs":  # the window inside each document: banded block masks, no S x S one
+            kinds["sliding_attention"] = (attention_bytes(full_mask) if full_mask else attention_bytes(False)
+                                          + e * b * sliding_block_mask_elements(S, m.sliding_window or S))
+        else:
+            # masking_utils.py _ignore_causal_mask_sdpa: a sliding layer gets a dense mask once seq >= its window
+            slide_mask = full_mask or (attention != "flash_attention_2" and seq >= (m.sliding_window or seq + 1))
+            kinds["sliding_attention"] = attention_bytes(slide_mask)
     types = list(m.layer_types) if m.layer_types else ["full_attention"] * m.layers
     layer_of = {k: norms + qk + v + mlp for k, v in kinds.items()}
     layers = [layer_of[t] for t in types]

@@ -54,7 +54,7 @@ def _gpu_phase(tensors: dict, capacity: int, world: int, on_gpu: bool, what: str
 # ---------------------------------------------------------------------------------------------
 
 def nograd_layer_bytes(m: ModelShape, tokens: int, e: int, *, mask: tuple[int, int, int] | None = None,
-                       liger: bool, cached: bool = False, on_gpu: bool = False) -> dict:
+                       liger: bool, cached: bool = False, on_gpu: bool = False, repeat_kv: bool = False) -> dict:
     """Peak bytes inside one decoder layer under torch.no_grad(), beyond the residual stream entering it.
     Nothing is saved for backward; what is alive is the layer's own temporaries (transformers 5.23
     models/llama/modeling_llama.py, LlamaDecoderLayer.forward: `residual` + the block's input and output).
@@ -70,6 +70,9 @@ def nograd_layer_bytes(m: ModelShape, tokens: int, e: int, *, mask: tuple[int, i
       columns first (preprocess_mask -> pad_bias: a second copy beside the first), counted unless kv_len is a
       multiple of 16. Read in upstream attention.cpp (torch's C++ is not in the wheel; not checked on a GPU here):
       torch 2.5+ pads to 8 before broadcasting to the heads; torch 2.1 padded to 16 after, heads x larger.
+    repeat_kv: sdpa_docs (attention.py) without a mask: k and v repeated to all query heads for every q_len > 1 (a
+      copy when 1 < kv heads < heads), the documents' outputs concatenated (no more alive at once than SDPA's
+      output and its contiguous copy).
     cached: generate() fills a DynamicCache: DynamicLayer.update copies k and v into it (cache_utils.py:136-137) and
       the attention rebinds key_states/value_states to the cache's tensors (modeling_llama.py:251), so past RoPE the
       layer holds only q; the cache is the caller's term.
@@ -88,6 +91,8 @@ def nograd_layer_bytes(m: ModelShape, tokens: int, e: int, *, mask: tuple[int, i
     # HF: three q-sized temporaries, then q_embed beside three k-sized ones (more when kv heads = heads)
     rope = e * T * (m.q_dim + m.kv_dim) if liger else e * T * max(3 * m.q_dim, m.q_dim + 3 * m.kv_dim)
     sdpa = 2 * e * T * m.q_dim  # output + contiguous copy
+    if repeat_kv and not mask and 1 < m.kv_heads < m.heads:
+        sdpa += 2 * e * T * m.q_dim
     if mask:
         rows, q_len, kv_len = mask
         if q_len > 1 and 1 < m.kv_heads < m.heads:
@@ -131,11 +136,13 @@ def eval_loss_bytes(m: ModelShape, tokens: int, e: int, fused: bool) -> tuple[in
 
 
 def nograd_forward_parts(m: ModelShape, tokens: int, e: int, *, mask: tuple[int, int, int] | None, liger: bool,
-                         loss: tuple[int, str] | None, cached: bool = False, on_gpu: bool = False) -> dict:
+                         loss: tuple[int, str] | None, cached: bool = False, on_gpu: bool = False,
+                         repeat_kv: bool = False) -> dict:
     """The transient terms of one no-grad forward: the largest layer block over the residual stream, or the
     output layer (final norm output + loss / last-token logits) - whichever is larger (they are sequential).
-    mask, cached, on_gpu: as nograd_layer_bytes."""
-    layer = nograd_layer_bytes(m, tokens, e, mask=mask, liger=liger, cached=cached, on_gpu=on_gpu)
+    mask, cached, on_gpu, repeat_kv: as nograd_layer_bytes."""
+    layer = nograd_layer_bytes(m, tokens, e, mask=mask, liger=liger, cached=cached, on_gpu=on_gpu,
+                               repeat_kv=repeat_kv)
     head = e * tokens * m.hidden + (loss[0] if loss else 0)
     # cos, sin for the rows (shared by all layers): one per token when generate() gives per-row position_ids
     rope = 2 * tokens * m.head_dim * e
@@ -152,7 +159,7 @@ def nograd_forward_parts(m: ModelShape, tokens: int, e: int, *, mask: tuple[int,
 
 
 def generation_parts(m: ModelShape, *, rows: int, prompt: int, new_tokens: int, e: int, liger: bool, padded: bool,
-                     on_gpu: bool) -> tuple[dict, dict]:
+                     on_gpu: bool, repeat_kv: bool = False) -> tuple[dict, dict]:
     """(prefill, decode): the transient terms of one greedy model.generate() call with a DynamicCache on `rows`
     prompts of `prompt` tokens (left-padded to that width when `padded`), `new_tokens` new tokens each, at the two
     instants that can peak. Sources: transformers 5.23 generation/utils.py, masking_utils.py, cache_utils.py,
@@ -180,7 +187,8 @@ def generation_parts(m: ModelShape, *, rows: int, prompt: int, new_tokens: int, 
     if padded:
         prefill["attention mask (bool, rows x prompt x prompt)"] = rows * prompt * prompt
     prefill.update(nograd_forward_parts(m, T, e, mask=(rows, prompt, prompt) if padded else None, liger=liger,
-                                        cached=True, on_gpu=on_gpu, loss=(logits + 4 * rows * m.vocab,
+                                        cached=True, on_gpu=on_gpu, repeat_kv=repeat_kv and prompt > 1,
+                                        loss=(logits + 4 * rows * m.vocab,
                                                                           "last-token logits + fp32 copy")))
     cache = prompt + new_tokens - 1
     decode = {"KV cache (prompt + answer)": kv * rows * cache,
@@ -232,10 +240,11 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     # validation: evaluation.nll_sum, one row of <= seq tokens per forward, model.eval(), no grad, use_cache
     # False: packed position_ids give the block-causal mask (masking_utils.py:875-881) as in training.
     mask = _attention_has_mask(attention, packing, 1)
+    docs = attention == "sdpa_docs"  # attention.py: per-document SDPA with k/v repeated to all heads
     val = {**resident, **gathering, "eval row (input_ids, labels, position_ids)": 3 * 8 * seq,
            "attention mask": persistent_mask_bytes(1, seq, e, attention, packing),
            **nograd_forward_parts(m, seq, e, mask=(1, seq, seq) if mask else None, liger=liger, on_gpu=on_gpu,
-                                  loss=eval_loss_bytes(m, seq, e, fused=liger))}
+                                  loss=eval_loss_bytes(m, seq, e, fused=liger), repeat_kv=docs)}
     out["validation"] = _gpu_phase(
         val, gpu_capacity, world, on_gpu, f"eval loss, one {seq:,}-token row per forward, no grad",
         ("lower data.seq_len or use more GPUs (plan.gpus_per_node, plan.nodes)" if liger else
@@ -246,7 +255,7 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     # rows). Its attention mask is all ones: no mask reaches SDPA (generation_parts).
     prompt = seq
     prefill, decode = generation_parts(m, rows=1, prompt=prompt, new_tokens=max_new_tokens, e=e, liger=liger,
-                                       padded=False, on_gpu=on_gpu)
+                                       padded=False, on_gpu=on_gpu, repeat_kv=docs)
     gen = prefill if sum(prefill.values()) >= sum(decode.values()) else decode
     out["samples"] = _gpu_phase(
         {**resident, **gathering, **gen}, gpu_capacity, world, on_gpu,

@@ -38,7 +38,7 @@ def finalize(r: Recipe) -> dict:
     if peft_utils.enabled(r):
         report = peft_utils.finalize_peft(r, tmp, out, ref, paths.base, lambda p: load_tokenizer(r).save_pretrained(p))
     else:
-        report = verify_saved_model(tmp, ref.n_params, ref.probe, ref.logits, ref.precision)
+        report = verify_saved_model(tmp, ref.n_params, ref.probe, ref.logits, ref.precision, ref.attention)
         Probe.discard(tmp)
         (tmp / "training_args.bin").unlink(missing_ok=True)  # pickled args: not needed to load the model
         mf.publish(tmp, out)

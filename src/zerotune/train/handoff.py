@@ -26,6 +26,7 @@ class Probe:
     n_params: int
     precision: str
     trainable_params: int | None = None  # PEFT runs only
+    attention: str = "sdpa"  # the attn_implementation training ran: verify's reload runs the same kernel
 
     def save(self, folder: Path) -> None:
         import torch

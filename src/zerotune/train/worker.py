@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import batch as batchmod
-from .. import families, hardware, peft_utils, quiet
+from .. import attention, families, hardware, peft_utils, quiet
 from .. import manifest as mf
 from ..config import Recipe
 from ..data.prepare import load_tokenizer, require_prepared
@@ -165,7 +165,8 @@ def load_model(r: Recipe, run: Run):
         run.say(f"liger: {run.family.liger}({', '.join(f'{k}={v}' for k, v in run.family.liger_kernels.items())})")
     load_kw = {"dtype": model_dtype(run.choice.precision),
                **peft_utils.load_kwargs(r, run.on_gpu, run.choice.precision)}
-    model = AutoModelForCausalLM.from_pretrained(str(layout(r).base), attn_implementation=run.choice.attention,
+    model = AutoModelForCausalLM.from_pretrained(str(layout(r).base),
+                                                 attn_implementation=attention.load_name(run.choice.attention),
                                                  **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
     if run.choice.liger and run.args.deepspeed:
@@ -312,7 +313,7 @@ def save_for_finalize(r: Recipe, run: Run, trainer, n_params: int, n_trainable: 
     if run.rank == 0:
         load_tokenizer(r).save_pretrained(tmp)
         Probe({k: v.cpu() for k, v in probe.items()}, ref_logits, n_params, run.choice.precision,
-              n_trainable).save(tmp)
+              n_trainable, run.choice.attention).save(tmp)
         bp = run.bp
         RunRecord(world_size=run.world, device=run.gpu.name, data_fingerprint=run.data_manifest["fingerprint"],
                   choice={"precision": run.choice.precision, "attention": run.choice.attention,

@@ -1,0 +1,165 @@
+"""Attention for packed rows without FlashAttention 2: each document attends to itself only.
+
+Why it exists. A packed row holds many short documents (chat data: p50 389 tokens, p99 1,646 in the prepare
+benchmark). transformers turns the restarting `position_ids` into a dense (micro, 1, S, S) block-causal mask for
+`sdpa` (masking_utils.py find_packed_sequence_indices, PR #39194); SDPA given a mask has no `is_causal` path, so the
+memory-efficient kernel (the only fused one a V100 or T4 has) computes every tile of the S x S scores and the mask
+then throws almost all of them away: at 16K rows of ~1K-token documents, ~32x the work of attending within each
+document. FlashAttention 2 does the per-document version (varlen), but not below sm80 (flash-attention #891).
+
+What runs. `sdpa_docs` is registered in transformers' AttentionInterface (and AttentionMaskInterface), so the model,
+Liger, gradient checkpointing and ZeRO-3 are unchanged: each decoder layer calls `document_attention` where it
+would call SDPA. It reads the document boundaries from the packed `position_ids` with transformers' own rule (a new
+document starts wherever the position does not follow the previous one by 1), and calls
+`scaled_dot_product_attention(is_causal=True)` once per document. On a V100/T4 that is the memory-efficient kernel
+on its causal path (it skips the tiles above the diagonal); on CPU torch's flash-attention CPU kernel. No mask is
+built, so the S x S mask's memory is gone too.
+
+Why a loop over documents and not PyTorch's variable-length kernel. `aten::_efficient_attention_forward` takes
+`cu_seqlens` and would be one kernel call, but it is a private CUDA-only op: CPU (this repository's CI) could not
+run the path the V100 runs, and its backward is reached only through nested tensors (torch/nested/_internal/
+sdpa.py), unverified on sm70. The loop uses only the public SDPA API, runs the same code on CPU and GPU, and costs
+one kernel launch per document per layer (~40 documents per 16K row: well under 1% of a V100 micro-step at 8B).
+bench/bench_attention.py measures what it saves.
+
+K/V are repeated to all query heads (as transformers' sdpa does whenever it passes a mask): SDPA's `enable_gqa`
+is supported by the CUDA flash and cuDNN kernels and CPU math only, so on a V100 (no flash) and on CPU it would
+drop to the math kernel, which materialises d x d scores (torch sdp_utils.cpp / sdp_utils_cpp.cpp:
+check_batch_size_and_num_heads_dense<false> for the memory-efficient and CPU flash kernels).
+
+Gemma 3's sliding-window layers: the window applies inside a document (transformers ANDs the window with the packed
+mask). A document no longer than the window is plain causal; a longer one is attended in query blocks of `window`
+rows against the 2 x window keys they can see, with a small banded mask, so no d x d tensor is built.
+
+Inputs without packed documents take transformers' own `sdpa_attention_forward` unchanged: a padded batch (a 2-D
+padding mask: unpacked micro-batches, batched generation) or a KV cache (generation's decode steps). Those rows hold
+one document each, so there is nothing to split; the mask function below builds their SDPA mask exactly as `sdpa`
+would. Anything else the layer cannot be split on (no position_ids, a soft-capped or bidirectional model) is an
+error that says why, never a silent switch of kernel.
+"""
+
+from __future__ import annotations
+
+NAME = "sdpa_docs"  # train.attention value; the model's config._attn_implementation
+
+
+class DocumentBoundaryError(RuntimeError):
+    """A packed forward whose document boundaries cannot be read: a bug or an unsupported model, not a user error."""
+
+
+def document_spans(position_ids) -> list[list[tuple[int, int]]]:
+    """Per row, the (start, end) of each document: a document starts at 0 and wherever a position is not the
+    previous one + 1 (transformers' find_packed_sequence_indices, so both kernels split rows identically).
+    One host transfer per call; `_spans` caches it for the layers of one forward and its recompute."""
+    import torch
+
+    pos = position_ids.detach().to("cpu", torch.long)
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    out = []
+    n = pos.shape[1]
+    for row in starts:
+        s = torch.nonzero(row).flatten().tolist()
+        out.append(list(zip(s, s[1:] + [n])))
+    return out
+
+
+_last: dict = {}
+
+
+def _spans(position_ids, batch: int, q_len: int):
+    """document_spans for this forward's position_ids, computed once for all its layers (and the recompute of
+    gradient checkpointing, which passes the same tensor object). Keyed on the object itself, held here so that a
+    later batch cannot take its place: a storage address is reused by the next batch's tensor, an object is not."""
+    if position_ids is None:
+        raise DocumentBoundaryError(
+            f"attention {NAME}: the layer was called without position_ids, so the packed row's document boundaries "
+            "cannot be read. This model family does not pass position_ids to its attention; train it with "
+            "train.attention=sdpa (dense block-causal mask) and report the model type.")
+    if position_ids.shape[-1] != q_len:
+        raise DocumentBoundaryError(f"attention {NAME}: position_ids cover {position_ids.shape[-1]} positions, the "
+                                    f"queries {q_len}: the document boundaries cannot be matched to the rows")
+    if _last.get("tensor") is not position_ids or _last.get("version") != position_ids._version:
+        rows = position_ids if position_ids.shape[0] == batch else position_ids.expand(batch, -1)
+        _last.update(tensor=position_ids, version=position_ids._version, spans=document_spans(rows))
+    return _last["spans"]
+
+
+def _attend(q, k, v, window: int | None, dropout: float, scale: float | None):
+    """Causal attention of one document (1, H, d, D), with a sliding window of `window` keys if given."""
+    import torch
+    import torch.nn.functional as F
+
+    d = q.shape[2]
+    if window is None or d <= window:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale, is_causal=True)
+    # query block [c, c + w) sees keys (i - w, i] for each row i: all inside [c - w + 1, c + w)
+    w = window
+    rows = torch.arange(w, device=q.device)[:, None]
+    parts = []
+    for c in range(0, d, w):
+        lo, hi = max(0, c - w + 1), min(d, c + w)
+        qi = rows[: min(w, d - c)] + c
+        kj = torch.arange(lo, hi, device=q.device)[None, :]
+        mask = (kj <= qi) & (kj > qi - w)
+        parts.append(F.scaled_dot_product_attention(q[:, :, c:c + w], k[:, :, lo:hi], v[:, :, lo:hi],
+                                                    attn_mask=mask, dropout_p=dropout, scale=scale))
+    return torch.cat(parts, dim=2)
+
+
+def document_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                       sliding_window: int | None = None, position_ids=None, **kwargs):
+    """transformers' attention interface: query (B, Hq, S, D), key/value (B, Hkv, S, D) -> ((B, S, Hq, D), None)."""
+    import torch
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    if attention_mask is not None or query.shape[2] != key.shape[2]:
+        # a padded batch or a KV cache: one document per row, SDPA exactly as attn_implementation="sdpa" runs it
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, position_ids=position_ids, **kwargs)
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        raise DocumentBoundaryError(f"attention {NAME}: this model soft-caps or biases its attention scores, which "
+                                    "SDPA cannot do; use train.attention=eager")
+    batch, _, q_len, _ = query.shape
+    spans = _spans(position_ids, batch, q_len)
+    groups = getattr(module, "num_key_value_groups", 1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # keep the fused kernels eligible (docstring)
+    rows = []
+    for b, docs in enumerate(spans):
+        rows.append(torch.cat([_attend(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
+                                       sliding_window, dropout, scaling) for s, e in docs], dim=2))
+    out = rows[0] if batch == 1 else torch.cat(rows, dim=0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def document_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                  attention_mask=None, config=None, **kwargs):
+    """transformers' mask interface for `sdpa_docs`: no mask for a full row without padding or cache (the
+    attention reads the documents from position_ids); otherwise the mask `sdpa` would get."""
+    from transformers.masking_utils import sdpa_mask
+
+    if getattr(config, "use_bidirectional_attention", False):
+        raise DocumentBoundaryError(f"attention {NAME}: this model attends bidirectionally "
+                                    "(config.use_bidirectional_attention); per-document causal attention does not apply")
+    no_padding = attention_mask is None or bool(attention_mask.all())
+    if no_padding and q_length == kv_length and not q_offset and not kv_offset:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, config=config, **kwargs)
+
+
+def register() -> None:
+    """Make `attn_implementation="sdpa_docs"` loadable in this process (idempotent). Every process that loads a
+    model with it calls this first: the workers, finalize's verify, the benchmarks and tests."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, document_attention)
+    AttentionMaskInterface.register(NAME, document_mask)
+
+
+def load_name(attention: str) -> str:
+    """The attn_implementation to pass to from_pretrained, registering zerotune's own first."""
+    if attention == NAME:
+        register()
+    return attention
