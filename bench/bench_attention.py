@@ -44,22 +44,32 @@ def chat_lengths_and_ids(tok, n: int, seed: int) -> list[list[int]]:
                 for line in path.read_text().splitlines()]
 
 
-def packed_row(docs: list[list[int]], seq: int, pad_id: int) -> tuple[dict, list[int]]:
-    """The fullest row best-fit-decreasing packs from `docs` (documents longer than seq are truncated, as
-    data.overlong: truncate does); returns the row as tensors and its document lengths."""
+def packed_row(docs: list[list[int]], seq: int, pad_id: int) -> tuple[dict, list[int], float]:
+    """A typical row of what `make data` packs from `docs` (best-fit-decreasing; documents longer than seq truncated,
+    as data.overlong: truncate does): among the rows at least 95% full, the one whose attention span is nearest the
+    whole set's (BFD's first rows hold the longest documents, its last the leftovers: neither is typical). Returns
+    the row as tensors, its document lengths and the whole set's span."""
     import numpy as np
     import torch
 
     from zerotune.data.packing import best_fit_decreasing, packed_row as make_row
 
     docs = [d[:seq] for d in docs]
-    bins = best_fit_decreasing([len(d) for d in docs], seq)
-    best = max(bins, key=lambda b: sum(len(docs[i]) for i in b))
+    lengths = np.array([len(d) for d in docs], dtype=np.int64)
+    bins = best_fit_decreasing(lengths, seq)
+
+    def span(b):
+        used = int(lengths[b].sum())
+        return (int((lengths[b] ** 2).sum()) + (seq - used) ** 2) / seq
+
+    overall = sum(span(b) for b in bins) / len(bins)
+    full = [b for b in bins if lengths[b].sum() >= 0.95 * seq] or bins
+    best = min(full, key=lambda b: abs(span(b) - overall))
     row, _ = make_row(((docs[i], docs[i]) for i in sorted(best)), seq, pad_id)
     lengths = [len(docs[i]) for i in sorted(best)]
     ids = torch.tensor(np.asarray(row["input_ids"]), dtype=torch.long)[None]
     pos = torch.tensor(np.asarray(row["position_ids"]), dtype=torch.long)[None]
-    return {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}, lengths
+    return {"input_ids": ids, "position_ids": pos, "labels": ids.clone()}, lengths, overall
 
 
 def flops_per_token(cfg, n_params: int, seq: int, span: float) -> dict:
@@ -75,7 +85,8 @@ def flops_per_token(cfg, n_params: int, seq: int, span: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="repeats at 8K rows; 4K gets twice as many, 16K half "
+                    "(at least 1): a dense 16K step takes ~25 minutes here")
     ap.add_argument("--chats", type=int, default=3000, help="chats drawn to pack rows from")
     ap.add_argument("--out", type=Path, default=RESULTS / "attention", help="writes OUT.json and OUT.md")
     a = ap.parse_args()
@@ -106,27 +117,34 @@ def main() -> int:
         opts[k].zero_grad(set_to_none=True)
         return loss.item(), time.perf_counter() - w, time.process_time() - c
 
+    # warm-up: a process's first steps pay for lazy initialisation; a short row, so that it costs little
+    warm, _, _ = packed_row(docs, 1024, tok.pad_token_id)
+    for k in KERNELS:
+        step(k, warm)
     steal = Steal()
     results = []
     for seq in a.seq:
-        batch, lengths = packed_row(docs, seq, tok.pad_token_id)
+        batch, lengths, overall = packed_row(docs, seq, tok.pad_token_id)
         span = attention_pairs(batch["position_ids"][0].numpy()) / seq
-        first = {k: step(k, batch)[0] for k in KERNELS}  # warm-up; the same weights must give the same loss
-        if abs(first["sdpa"] - first["sdpa_docs"]) > 1e-4 * abs(first["sdpa"]):
-            raise SystemExit(f"seq {seq}: losses differ, sdpa {first['sdpa']:.6f} vs sdpa_docs {first['sdpa_docs']:.6f}")
         times = {k: {"wall": [], "cpu": []} for k in KERNELS}
-        for rep in range(a.repeats):
+        first = {}
+        for rep in range(max(1, a.repeats * 8192 // seq)):
             for k in (KERNELS if rep % 2 == 0 else KERNELS[::-1]):
-                _, wall, cpu = step(k, batch)
+                loss, wall, cpu = step(k, batch)
+                first.setdefault(k, loss)
                 times[k]["wall"].append(wall)
                 times[k]["cpu"].append(cpu)
                 print(f"bench_attention: seq {seq:,} {k:9s} repeat {rep + 1}: {wall:7.1f} s wall, {cpu:7.1f} s CPU, "
                       f"{seq / wall:6.0f} tokens/s", flush=True)
+        # both models took the same steps on the same rows: the same weights must give the same loss
+        if abs(first["sdpa"] - first["sdpa_docs"]) > 1e-4 * abs(first["sdpa"]):
+            raise SystemExit(f"seq {seq}: losses differ, sdpa {first['sdpa']:.6f} vs sdpa_docs {first['sdpa_docs']:.6f}")
         wall = ratio_stats([d / p for d, p in zip(times["sdpa"]["wall"], times["sdpa_docs"]["wall"])])
         cpu = ratio_stats([d / p for d, p in zip(times["sdpa"]["cpu"], times["sdpa_docs"]["cpu"])])
         fl = flops_per_token(models["sdpa"].config, n_params, seq, span)
         results.append({"seq": seq, "documents": len(lengths), "doc_p50": sorted(lengths)[len(lengths) // 2],
                         "doc_max": max(lengths), "padding": seq - sum(lengths), "attention_span": round(span, 1),
+                        "data_attention_span": round(overall, 1),
                         "first_loss": first, "times": times, "speedup_wall": wall, "speedup_cpu": cpu,
                         "tokens_per_s": {k: round(seq / min(times[k]["wall"]), 1) for k in KERNELS},
                         "attention_flop_share": {k: round(v["attention_share"], 3) for k, v in fl.items()},
@@ -138,13 +156,15 @@ def main() -> int:
     lines = ["# Per-document attention vs the dense block-causal mask (SmolLM2-135M training)", "",
              f"One packed row per length, chats of bench_data.py's distribution, SmolLM2's template; fp32, gradient "
              f"checkpointing, AdamW, {out['threads']} threads; `sdpa` (dense mask) vs `sdpa_docs` (SDPA per document), "
-             f"alternating, {a.repeats} repeats after a warm-up; identical first losses. CPU steal {out['steal']}.", "",
-             "| row | documents (p50 / max) | attention span | attention share of FLOPs: dense / per document | "
+             f"alternating after a warm-up ({a.repeats} repeats at 8K, twice as many at 4K, half at 16K); the row is the one "
+             f"whose attention span is nearest the packed set's; identical first losses. CPU steal {out['steal']}.", "",
+             "| row | documents (p50 / max) | attention span (row / set) | attention share of FLOPs: dense / per document | "
              "FLOPs ratio | tokens/s dense / per document | speed-up per wall-second | per CPU-second |",
              "|---|---|---:|---|---:|---|---|---|"]
     for r in results:
         sh = r["attention_flop_share"]
-        lines.append(f"| {r['seq']:,} | {r['documents']} ({r['doc_p50']} / {r['doc_max']}) | {r['attention_span']:.0f} | "
+        lines.append(f"| {r['seq']:,} | {r['documents']} ({r['doc_p50']} / {r['doc_max']}) | {r['attention_span']:.0f} / "
+                     f"{r['data_attention_span']:.0f} | "
                      f"{sh['sdpa']:.0%} / {sh['sdpa_docs']:.0%} | {r['flops_ratio']:.2f}x | "
                      f"{r['tokens_per_s']['sdpa']:.0f} / {r['tokens_per_s']['sdpa_docs']:.0f} | "
                      f"{fmt_ratio(r['speedup_wall'])} | {fmt_ratio(r['speedup_cpu'])} |")

@@ -160,7 +160,8 @@ def main() -> int:
              f"Python {platform.python_version()}. Ratios are measured side by side in one run; absolute numbers "
              "are context only.\n"]
     for name, title in (("train", None), ("data", None), ("data_scale", None),
-                        ("inference", "## Inference (SmolLM2-135M, same prompts)"), ("answers", None)):
+                        ("inference", "## Inference (SmolLM2-135M, same prompts)"), ("answers", None),
+                        ("attention", None)):
         md = RESULTS / f"{name}.md"
         if not md.exists():
             parts.append(f"## {name}\n\nnot run (bench/bench_{name}.py did not write {md.name})\n")
