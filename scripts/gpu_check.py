@@ -32,7 +32,7 @@ prediction where it has one. The table is printed and written as JSON (--out). E
                    consolidation + engine.save_checkpoint), resume (a fresh process resumes through
                    Trainer.train(resume_from_checkpoint=...) -> engine.load_checkpoint, as a requeued job does;
                    weights, fp32 master, loss scale and step must equal what was saved). Predicted columns:
-                   zerotune.plan.compute_plan on one GPU of this kind (memory views; planner/phases.py per phase).
+                   zerotune.planner.compute.compute_plan on one GPU of this kind (memory views; planner/phases.py per phase).
 """
 
 from __future__ import annotations
@@ -404,20 +404,20 @@ def phase_predictions(phases) -> dict:
 
 
 def predict_1b(seq: int, capability: tuple[int, int], name: str = "", steps: int = 3) -> dict:
-    """The planner's numbers for the 1B check on this card: zerotune.plan.compute_plan for the recipe above on one
+    """The planner's numbers for the 1B check on this card: zerotune.planner.compute.compute_plan for the recipe above on one
     GPU of the card's kind. train: memory_breakdown's allocated and reserved views (compute_plan()["memory"]); the
     other phases from compute_plan()["phases"] (planner/phases.py) when the planner has them, else (None, ...)."""
-    from zerotune.plan import compute_plan
+    from zerotune.planner.compute import compute_plan
 
     key = plan_gpu_key(capability, name)
     p = compute_plan(recipe_1b(seq, steps, key), gpu=key, gpus_per_node=1, nodes=1)
-    views = p["memory"]["views"]
-    per_phase = phase_predictions(p.get("phases"))
+    views = p.memory["views"]
+    per_phase = phase_predictions(p.phases)
     out = {ph: per_phase.get(ph, (None, None, None)) for ph in PHASES}
-    out["train"] = (views["allocated"], views["reserved"], p["memory"]["peak_bytes"])
-    return {"plan_gpu": key, "phases": out, "peak_bytes": p["memory"]["peak_bytes"],
-            "precision": p["choice"]["precision"], "has_phase_model": bool(per_phase),
-            "model_params": p["model"]["n_params"]}
+    out["train"] = (views["allocated"], views["reserved"], p.memory["peak_bytes"])
+    return {"plan_gpu": key, "phases": out, "peak_bytes": p.memory["peak_bytes"],
+            "precision": p.choice["precision"], "has_phase_model": bool(per_phase),
+            "model_params": p.model["n_params"]}
 
 
 # --------------------------------------------------------------------------------------------------------------

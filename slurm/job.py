@@ -36,7 +36,8 @@ from zerotune.train.handoff import Outcome  # noqa: E402
 
 
 def preflight(recipe: str, overrides: list[str]) -> int:
-    from zerotune.plan import compute_plan, format_plan
+    from zerotune.planner.compute import compute_plan
+    from zerotune.planner.report import format_plan
     from zerotune.train import before_launch
 
     gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0)
@@ -47,8 +48,9 @@ def preflight(recipe: str, overrides: list[str]) -> int:
         # the allocation, not the recipe's plan: section, is what the plan and its checks must describe
         r = load_recipe(recipe, [*overrides, f"plan.nodes={nodes}", f"plan.gpus_per_node={procs}"])
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the script's one line
-            print(format_plan(compute_plan(r)), flush=True)
-            before_launch(r, nodes * procs)
+            plan = compute_plan(r)  # once: printed here, then every check of before_launch reads it
+            print(format_plan(plan), flush=True)
+            before_launch(r, nodes * procs, plan=plan)
     except UserError as e:
         return report(e)
     print(procs, "GPU" if gpus else "CPU", r.out)

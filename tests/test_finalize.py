@@ -47,32 +47,33 @@ def test_stored_probe_is_bounded_at_8b():
 
 
 def test_finalize_host_ram_of_the_qlora_merge_at_8b():
-    from zerotune.plan import compute_plan, format_plan
+    from zerotune.planner.compute import compute_plan
+    from zerotune.planner.report import format_plan
     from zerotune.planner.finalize import INTERPRETER_BYTES
 
     r = load_recipe("llama8b_qlora_t4")
     p = compute_plan(r)
-    assert p["model"]["n_params"] == LLAMA8B_PARAMS
-    parts = p["finalize"]["parts"]
+    assert p.model["n_params"] == LLAMA8B_PARAMS
+    parts = p.finalize["parts"]
     # fp16 base (T4 trains in fp16), r=16 adapters on the 7 linears of 32 layers in fp32,
     # B @ A of the largest linear (14336 x 4096) in fp32 plus its fp16 cast, 3 fp32 probe logits
     lora = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
     assert lora == 41_943_040
     expected = (LLAMA8B_PARAMS * 2 + lora * 4 + 14336 * 4096 * (4 + 2) + 3 * 256 * LLAMA8B_VOCAB * 4
                 + INTERPRETER_BYTES)
-    assert sum(parts.values()) == p["finalize"]["peak_bytes"] == expected
+    assert sum(parts.values()) == p.finalize["peak_bytes"] == expected
     assert 17.5e9 < expected < 18.5e9 <= 32e9  # the recipe comment says 18.0 GB, within plan.cpu_ram_gb 32
     assert "finalize (after training, CPU): peak host RAM 18.0 GB of 32 GB (plan.cpu_ram_gb): fits" in format_plan(p)
-    assert not any("finalize" in w for w in p["warnings"])
+    assert not any("finalize" in w for w in p.warnings)
     small = compute_plan(load_recipe("llama8b_qlora_t4", ["plan.cpu_ram_gb=16"]))
-    assert any("finalize" in w and "18.0 GB" in w for w in small["warnings"])
+    assert any("finalize" in w and "18.0 GB" in w for w in small.warnings)
     assert "DOES NOT FIT" in format_plan(small)
 
 
 def test_finalize_host_ram_of_full_fine_tuning_has_no_merge_terms():
-    from zerotune.plan import compute_plan
+    from zerotune.planner.compute import compute_plan
 
-    parts = compute_plan(load_recipe("llama8b_zero3"))["finalize"]["parts"]
+    parts = compute_plan(load_recipe("llama8b_zero3")).finalize["parts"]
     assert not any("adapter" in k or "merge" in k for k in parts)
     assert next(v for k, v in parts.items() if k.startswith("model")) == 2 * LLAMA8B_PARAMS
 

@@ -7,7 +7,9 @@ import math
 import pytest
 
 from zerotune.config import RECIPES_DIR, load_recipe
-from zerotune.plan import PlanError, compute_plan, dry_run, format_plan, preflight
+from zerotune.planner.compute import PlanError, compute_plan
+from zerotune.planner.gate import preflight
+from zerotune.planner.report import dry_run, format_plan
 
 MODEL_STATES = "model states (DeepSpeed estimator)"
 
@@ -20,42 +22,43 @@ def plan8b():
 def test_8b_model_states_equal_deepspeed_estimator(plan8b):
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    assert plan8b["model"]["n_params"] == 8_030_261_248
-    _, gpu, _ = estimate_zero3_model_states_mem_needs(8_030_261_248, plan8b["model"]["largest_layer_params"], 8, 1,
+    assert plan8b.model["n_params"] == 8_030_261_248
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(8_030_261_248, plan8b.model["largest_layer_params"], 8, 1,
                                                       cpu_offload=False, cpu_offload_params=False, zero_init=True)
-    assert plan8b["memory"]["parts"][MODEL_STATES] == gpu == 20_169_434_112  # NOTES' figure
+    assert plan8b.memory["parts"][MODEL_STATES] == gpu == 20_169_434_112  # NOTES' figure
 
 
 def test_breakdown_sums_to_peak(plan8b):
-    assert sum(plan8b["memory"]["parts"].values()) == plan8b["memory"]["peak_bytes"]
+    assert sum(plan8b.memory["parts"].values()) == plan8b.memory["peak_bytes"]
 
 
 def test_8b_recommendation(plan8b):
-    rec = plan8b["recommended"]
-    assert rec["seq_len"] * rec["micro_batch_size"] * plan8b["cluster"]["world_size"] * rec["grad_accum"] == 62_914_560
+    rec = plan8b.recommended
+    assert rec["seq_len"] * rec["micro_batch_size"] * plan8b.cluster["world_size"] * rec["grad_accum"] == 62_914_560
     assert (rec["seq_len"], rec["micro_batch_size"], rec["grad_accum"]) == (16384, 1, 480)  # the recipe's own
-    assert plan8b["choice"] == {**plan8b["choice"], "precision": "fp16", "attention": "sdpa_docs", "liger": True}
+    assert plan8b.choice == {**plan8b.choice, "precision": "fp16", "attention": "sdpa_docs", "liger": True}
     # 32K at micro-batch 1 does not fit 32 GB without offload (NOTES)
-    assert not next(o for o in plan8b["options"] if o["seq_len"] == 32768 and o["micro_batch_size"] == 1)["fits"]
-    assert 1 < plan8b["time"]["seconds_per_step"] / 3600 < 6
+    assert not next(o for o in plan8b.options if o["seq_len"] == 32768 and o["micro_batch_size"] == 1)["fits"]
+    assert 1 < plan8b.time["seconds_per_step"] / 3600 < 6
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
 def test_every_recipe_plans(name):
     p = compute_plan(load_recipe(name))
-    assert p["memory"]["peak_bytes"] == sum(p["memory"]["parts"].values())
-    assert p["options"]
+    assert p.memory["peak_bytes"] == sum(p.memory["parts"].values())
+    assert p.options
 
 
 def test_offload_moves_optimizer_off_gpu():
     p = compute_plan(load_recipe("llama8b_zero3_offload"))
-    assert p["memory"]["parts"][MODEL_STATES] < 8 * 2**30 and p["memory"]["cpu_bytes_per_node"] > 100e9
-    assert "fp32 grad sub-group" not in p["memory"]["parts"]
+    assert p.memory["parts"][MODEL_STATES] < 8 * 2**30 and p.memory["cpu_bytes_per_node"] > 100e9
+    assert "fp32 grad sub-group" not in p.memory["parts"]
 
 
 @pytest.mark.parametrize("recipe,seq,ga", [("llama8b_zero3", "16,384", "480"), ("qwen3_8b_zero3", "8,192", "960")])
 def test_dry_run_text(recipe, seq, ga):
-    text = dry_run(load_recipe(recipe))
+    r = load_recipe(recipe)
+    text = dry_run(compute_plan(r), r)
     for needle in ["world size     8", "fp16", "sdpa", "Liger kernels  on", seq, ga, "62,914,560", "GiB", "fits"]:
         assert needle in text, needle
 
@@ -64,23 +67,27 @@ def test_preflight_raises_when_impossible():
     r = load_recipe("llama8b_zero3", ["data.seq_len=131072", "train.micro_batch_size=8",
                                       "train.global_batch_tokens=67108864"])
     with pytest.raises(PlanError, match="exceeds"):
-        preflight(r)
+        preflight(compute_plan(r), r)
     with pytest.raises(PlanError, match="not a multiple"):  # 62,914,560 / (131072 x 8 x 8) is not whole
-        preflight(load_recipe("llama8b_zero3", ["data.seq_len=131072", "train.micro_batch_size=8"]))
-    assert preflight(load_recipe("llama8b_zero3"))["recipe_config"]["fits"]
-    assert "skipped" in preflight(load_recipe("tiny"))
+        r = load_recipe("llama8b_zero3", ["data.seq_len=131072", "train.micro_batch_size=8"])
+        preflight(compute_plan(r), r)
+    r = load_recipe("llama8b_zero3")
+    preflight(compute_plan(r), r)  # fits: no error
+    tiny = load_recipe("tiny", ["plan.cpu_ram_gb=0.01"])
+    assert not compute_plan(tiny).recipe_config["fits"]
+    preflight(compute_plan(tiny), tiny)  # a CPU target: predicted not to fit, never refused (plan.gpu cpu)
 
 
 def test_nothing_fits_suggests_switches():
     p = compute_plan(load_recipe("llama8b_zero3", ["train.liger=off", "data.seq_len=32768"]), gpus_per_node=2)
-    assert p["recommended"] is None and p["suggestions"]
+    assert p.recommended is None and p.suggestions
 
 
 def test_inference_sizes(plan8b):
-    q8 = plan8b["inference"]["quant"]["q8_0"]
+    q8 = plan8b.inference["quant"]["q8_0"]
     assert abs(q8["gguf_bytes"] / 2**30 - 7.95) < 0.02 and q8["t4_fits"]
-    assert plan8b["inference"]["kv_bytes_per_token"] == 128 * 1024
-    assert not plan8b["inference"]["quant"]["f16"]["t4_fits"]
+    assert plan8b.inference["kv_bytes_per_token"] == 128 * 1024
+    assert not plan8b.inference["quant"]["f16"]["t4_fits"]
 
 
 def test_plan_main_writes_png(tmp_path):
@@ -95,10 +102,11 @@ def test_disk_preflight_refuses_a_too_small_file_system(tmp_path, monkeypatch):
     import shutil
     from collections import namedtuple
 
-    from zerotune.plan import PlanError, compute_plan, disk_preflight
+    from zerotune.planner.compute import PlanError, compute_plan
+    from zerotune.planner.gate import disk_preflight
 
     r = load_recipe("llama8b_zero3", [f"output_dir={tmp_path / 'run'}"])
-    d = compute_plan(r)["disk"]
+    d = compute_plan(r).disk
     # 12 B/param Adam + fp32 master and 2 B/param fp16 weights per checkpoint; 3 at once with save_total_limit 2
     assert d["checkpoint_bytes"] == 14 * 8_030_261_248 and d["checkpoints_at_once"] == 3
     usage = namedtuple("usage", "total used free")
@@ -107,9 +115,9 @@ def test_disk_preflight_refuses_a_too_small_file_system(tmp_path, monkeypatch):
     # the commit); finalize (two checkpoints + the 16-bit model.tmp) needs less
     with pytest.raises(PlanError, match=r"100.0 GiB free; this run needs 314.1 GiB more at its save at "
                                         r"save_total_limit \(it holds no checkpoint yet.*save_total_limit=2"):
-        disk_preflight(r, tmp_path / "run")
+        disk_preflight(compute_plan(r), r, tmp_path / "run")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**40, 0, 400 * 2**30))
-    assert disk_preflight(r, tmp_path / "run")["peak_bytes"] == 3 * d["checkpoint_bytes"] < 400 * 2**30
+    assert disk_preflight(compute_plan(r), r, tmp_path / "run")["peak_bytes"] == 3 * d["checkpoint_bytes"] < 400 * 2**30
 
 
 @pytest.mark.parametrize("packing", [True, False])
@@ -128,7 +136,7 @@ def test_the_plan_books_the_steps_the_worker_trains(tmp_path, packing):
     prepare(r)
     n = len(load_from_disk(str(tmp_path / "data" / "train")))
     bp = derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, 2)
-    data = compute_plan(r, gpu="cpu", gpus_per_node=2, nodes=1)["data"]
+    data = compute_plan(r, gpu="cpu", gpus_per_node=2, nodes=1).data
     per_rank = math.ceil(n / 2)  # micro-batch 1, world 2
     assert data["train_sequences"] == n and data["total_steps"] == total_steps(n, bp, r) == 2 * math.ceil(per_rank / 2)
 
@@ -141,8 +149,8 @@ REPLAY = ["data.replay.path=data/general/prompts.jsonl"]
 def test_8b_replay_fits_one_v100_and_takes_minutes(plan8b):
     from zerotune.planner.phases import REPLAY_DECODE_EFFICIENCY
 
-    assert plan8b["replay"] is None  # no data.replay: nothing to plan
-    rp = compute_plan(load_recipe("llama8b_zero3", REPLAY))["replay"]
+    assert plan8b.replay is None  # no data.replay: nothing to plan
+    rp = compute_plan(load_recipe("llama8b_zero3", REPLAY)).replay
     assert (rp["prompts"], rp["batch_size"], rp["max_new_tokens"], rp["precision"]) == (320, 8, 128, "fp16")
     # the longest prompt of the shipped file has 162 bytes of content; + the template bound, 40 + 8 per message
     assert rp["prompt_tokens_bound"] == 162 + 40 + 8
@@ -158,27 +166,28 @@ def test_8b_replay_fits_one_v100_and_takes_minutes(plan8b):
     assert "replay (data step, before training, one GPU): the base model answers 320 prompts" in text
     assert "fits" in text and "memory-bound" in text
     # data.replay.limit: the first N prompts only
-    assert compute_plan(load_recipe("llama8b_zero3", [*REPLAY, "data.replay.limit=10"]))["replay"]["prompts"] == 10
+    assert compute_plan(load_recipe("llama8b_zero3", [*REPLAY, "data.replay.limit=10"])).replay["prompts"] == 10
 
 
 def test_replay_batch_too_large_is_reported_not_refused():
     r = load_recipe("llama8b_zero3", [*REPLAY, "eval.batch_size=512"])
     p = compute_plan(r)
-    rp = p["replay"]
+    rp = p.replay
     # 320 rows at once (never more rows than prompts): the prompts' KV cache and the prefill's MLP outgrow 32 GB
     assert rp["rows"] == 320 and not rp["fits"] and rp["peak_bytes"] > rp["capacity_bytes"]
     largest = rp["largest_batch_that_fits"]
     assert 8 < largest < 320
-    assert compute_plan(load_recipe("llama8b_zero3", [*REPLAY, f"eval.batch_size={largest}"]))["replay"]["fits"]
-    assert not compute_plan(load_recipe("llama8b_zero3", [*REPLAY, f"eval.batch_size={largest + 1}"]))["replay"]["fits"]
+    assert compute_plan(load_recipe("llama8b_zero3", [*REPLAY, f"eval.batch_size={largest}"])).replay["fits"]
+    assert not compute_plan(load_recipe("llama8b_zero3", [*REPLAY, f"eval.batch_size={largest + 1}"])).replay["fits"]
     text = format_plan(p)
     assert "DOES NOT FIT" in text and f"fix: lower eval.batch_size (eval.batch_size={largest} fits)" in text
     # answering ran in the data step, before finetune: it is no reason to refuse the training job
-    assert preflight(r)["replay"]["fits"] is False
+    preflight(p, r)  # no error
+    assert p.replay["fits"] is False
 
 
 def test_replay_on_a_cpu_target_is_host_ram_without_a_time():
-    rp = compute_plan(load_recipe("llama8b_zero3", [*REPLAY, "plan.gpu=cpu"]))["replay"]
+    rp = compute_plan(load_recipe("llama8b_zero3", [*REPLAY, "plan.gpu=cpu"])).replay
     assert rp["precision"] == "fp32" and rp["limit"] == "host" and rp["seconds"] is None
     assert rp["parts"]["weights (32-bit, whole model, one device)"] == 4 * 8_030_261_248
     assert rp["capacity_bytes"] == int(384e9)  # one process: the node's RAM, not a rank's share
@@ -186,7 +195,7 @@ def test_replay_on_a_cpu_target_is_host_ram_without_a_time():
 
 def test_replay_with_a_missing_prompt_file_is_reported(tmp_path):
     p = compute_plan(load_recipe("llama8b_zero3", [f"data.replay.path={tmp_path / 'none.jsonl'}"]))
-    assert "not found" in p["replay"]["error"]
+    assert "not found" in p.replay["error"]
     assert "replay (data step): not planned:" in format_plan(p)
 
 
@@ -205,7 +214,7 @@ def test_replay_prompt_bound_holds_for_the_llama31_and_smollm2_templates(tokeniz
 
     from transformers import AutoTokenizer
 
-    from zerotune.plan import REPLAY_TEMPLATE_TOKENS, REPLAY_TOKENS_PER_MESSAGE, replay_prompt_bound
+    from zerotune.planner.compute import REPLAY_TEMPLATE_TOKENS, REPLAY_TOKENS_PER_MESSAGE, replay_prompt_bound
 
     if not (SMOLLM2_DIR / "tokenizer.json").exists():
         pytest.fail(f"{SMOLLM2_DIR} missing: run `make setup`")

@@ -17,7 +17,9 @@ from zerotune.planner.disk import disk_events
 from zerotune.planner.memory import GiB, ModelShape, memory_breakdown, prefetched_batches_bytes
 from zerotune.planner.phases import (REPLAY_DECODE_EFFICIENCY, eval_loss_bytes, generation_parts, nograd_layer_bytes,
                                      phase_plan, quantize_host_bytes, replay_plan)
-from zerotune.plan import PlanError, compute_plan, disk_preflight, format_plan, preflight
+from zerotune.planner.compute import PlanError, compute_plan
+from zerotune.planner.gate import disk_preflight, preflight
+from zerotune.planner.report import format_plan
 
 # hidden 64, 4 heads of 16 (q 64), 2 KV heads (kv 32), intermediate 128, vocab 256
 SMALL = ModelShape(n_params=100_000, largest_layer_params=16_384, hidden=64, layers=2, heads=4, kv_heads=2,
@@ -60,7 +62,7 @@ def test_step_boundary_counts_two_steps_of_batches_only_beyond_the_freed_activat
 
 def test_8b_prefetched_batches(plan8b):
     # 480 micro-batches of 16,384 tokens: 480 x 16,384 x 3 x 8 B = 0.176 GiB, less the in-flight input_ids
-    assert plan8b["memory"]["parts"]["GA micro-batches (prefetched)"] == 480 * 16384 * 3 * 8 - 16384 * 8
+    assert plan8b.memory["parts"]["GA micro-batches (prefetched)"] == 480 * 16384 * 3 * 8 - 16384 * 8
 
 
 # --- no-grad forward terms -----------------------------------------------------------------------------------
@@ -252,18 +254,18 @@ def test_quantize_host_by_hand():
 # --- the 8B recipe on 8 x V100 ---------------------------------------------------------------------------------
 
 def test_8b_every_phase_planned_and_fits_a_v100_as_pytorch_sizes_it(plan8b):
-    ph = plan8b["phases"]
+    ph = plan8b.phases
     assert list(ph) == PHASES
-    assert plan8b["cluster"]["capacity_bytes"] == int(31.75 * GiB)
+    assert plan8b.cluster["capacity_bytes"] == int(31.75 * GiB)
     for name, p in ph.items():
         assert p["runs"] and p["fits"], (name, p["peak_bytes"] / GiB)
         assert p["peak_bytes"] == sum(p["parts"].values())
         assert p["capacity_bytes"] == (int(31.75 * GiB) if p["limit"] == "gpu" else int(384e9))
-    assert ph["train_step"]["peak_bytes"] == plan8b["memory"]["peak_bytes"]
+    assert ph["train_step"]["peak_bytes"] == plan8b.memory["peak_bytes"]
 
 
 def test_8b_save_and_resume_terms(plan8b):
-    ph = plan8b["phases"]
+    ph = plan8b.phases
     per_rank = math.ceil(N8B / 8)
     assert ph["resume"]["parts"]["loaded Adam moments beside the live ones"] == 8 * per_rank
     loaded = ph["resume_host"]["parts"]["optimizer shards loaded (fp32 master + Adam m, v), every rank"]
@@ -275,7 +277,7 @@ def test_8b_save_and_resume_terms(plan8b):
 
 def test_8b_validation_without_liger_materialises_the_logits():
     p = compute_plan(load_recipe("llama8b_zero3", ["train.liger=off"]))
-    val = p["phases"]["validation"]
+    val = p.phases["validation"]
     loss = eval_loss_bytes(ModelShape(**{**SMALL.__dict__, "hidden": 4096, "vocab": 128_256}), 16384, 2, False)[0]
     assert loss == 10 * 16384 * 128_256 + 8 * 16385 + 8 * 16384
     assert not val["fits"] and val["peak_bytes"] > 38 * GiB
@@ -283,14 +285,15 @@ def test_8b_validation_without_liger_materialises_the_logits():
 
 def test_preflight_names_the_validation_phase_and_the_fix():
     with pytest.raises(PlanError, match=r"validation: \d+\.\d GiB of 31\.75 per GPU .*set train\.liger=on"):
-        preflight(load_recipe("llama8b_zero3", ["train.liger=off"]))
+        r = load_recipe("llama8b_zero3", ["train.liger=off"])
+        preflight(compute_plan(r), r)
 
 
 def test_offload_and_lora_recipes_plan_every_phase():
     for name in ("llama8b_zero3_offload", "llama8b_lora_zero3"):
         p = compute_plan(load_recipe(name))
-        assert list(p["phases"]) == PHASES and all(x["fits"] for x in p["phases"].values()), name
-    off = compute_plan(load_recipe("llama8b_zero3_offload"))["phases"]
+        assert list(p.phases) == PHASES and all(x["fits"] for x in p.phases.values()), name
+    off = compute_plan(load_recipe("llama8b_zero3_offload")).phases
     assert off["resume"]["parts"]["loaded Adam moments beside the live ones"] == 0  # the moments stay in RAM
     assert "offloaded optimizer states (DeepSpeed estimator, pinned)" in off["resume_host"]["parts"]
 
@@ -346,14 +349,14 @@ def _commit(ckpt, size: int) -> None:
 def test_requeued_run_counts_its_committed_checkpoints(tmp_path, monkeypatch):
     run = tmp_path / "run"
     r = load_recipe("llama8b_zero3", [f"output_dir={run}"])
-    C = compute_plan(r)["disk"]["checkpoint_bytes"]  # 104.7 GiB; a fresh run needs 3 x C = 314 GiB
+    C = compute_plan(r).disk["checkpoint_bytes"]  # 104.7 GiB; a fresh run needs 3 x C = 314 GiB
     for step in (4, 5):
         _commit(run / "checkpoints" / f"checkpoint-{step}", C)
     (run / "checkpoints" / "checkpoint-6").mkdir()  # a partial save: not committed, not counted as held
 
     # below a fresh run's need, above the next save's: the run goes on
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**40, 0, 120 * GiB))
-    d = disk_preflight(r, run)
+    d = disk_preflight(compute_plan(r), r, run)
     assert d["held"]["checkpoints"] == 2 and d["needed_at"] == "save"
     assert d["needed_free_bytes"] == pytest.approx(C, abs=4096)  # less the markers' few bytes
     assert d["peak_bytes"] == 3 * C > 120 * GiB
@@ -363,4 +366,4 @@ def test_requeued_run_counts_its_committed_checkpoints(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**40, 0, 100 * GiB))
     with pytest.raises(PlanError, match=r"100\.0 GiB free; this run needs 104\.7 GiB more at its save \(its 2 "
                                         r"committed checkpoint\(s\) \(209\.4 GiB\) already counted.*save_total_limit"):
-        disk_preflight(r, run)
+        disk_preflight(compute_plan(r), r, run)

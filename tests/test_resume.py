@@ -51,9 +51,9 @@ def test_rotation_keeps_the_newest_committed_checkpoints(reference):
 
 def test_planned_checkpoint_size_matches_the_real_one(reference):
     from zerotune.config import load_recipe
-    from zerotune.plan import compute_plan
+    from zerotune.planner.compute import compute_plan
 
-    disk = compute_plan(load_recipe("tiny", [f"output_dir={reference}", *COMMON]))["disk"]
+    disk = compute_plan(load_recipe("tiny", [f"output_dir={reference}", *COMMON])).disk
     real = sum(f.stat().st_size for f in (reference / "checkpoints" / "checkpoint-10").rglob("*") if f.is_file())
     assert abs(real - disk["checkpoint_bytes"]) / real < 0.02, (real, disk)
     assert disk["checkpoints_at_once"] == 3  # save_total_limit 2 + the one being committed

@@ -82,11 +82,12 @@ def test_deadline_rule():
 def test_plan_states_the_cost_of_preemption():
     from zerotune.checkpoint import seconds_needed
     from zerotune.config import load_recipe
-    from zerotune.plan import SAVE_BYTES_PER_S, compute_plan, format_plan
+    from zerotune.planner.compute import SAVE_BYTES_PER_S, compute_plan
+    from zerotune.planner.report import format_plan
 
     p = compute_plan(load_recipe("llama8b_zero3", ["train.save_steps=2"]))
-    pe, step = p["preemption"], p["time"]["seconds_per_step"]
-    assert pe["save_s"] == pytest.approx(p["disk"]["checkpoint_bytes"] / SAVE_BYTES_PER_S)
+    pe, step = p.preemption, p.time["seconds_per_step"]
+    assert pe["save_s"] == pytest.approx(p.disk["checkpoint_bytes"] / SAVE_BYTES_PER_S)
     assert pe["idle_at_time_limit_s"] == pytest.approx(seconds_needed(step, pe["save_s"]))
     assert pe["lost_on_kill_s"] == pytest.approx(2 * step)
     assert pe["signal_lead_s"] >= seconds_needed(0, pe["save_s"]) and pe["signal_lead_s"] % 60 == 0

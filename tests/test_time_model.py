@@ -9,7 +9,8 @@ import pytest
 
 from zerotune import hardware
 from zerotune.config import load_recipe
-from zerotune.plan import compute_plan, format_plan
+from zerotune.planner.compute import compute_plan
+from zerotune.planner.report import format_plan
 from zerotune.planner import time as tm
 
 V100 = hardware.GPUS["v100-32gb"]
@@ -132,19 +133,19 @@ def plan8b():
 
 
 def test_plan_json_exposes_terms_and_total(plan8b):
-    t = plan8b["time"]
+    t = plan8b.time
     assert set(t["terms"]) == {"compute", "communication", "optimizer", "fixed"}
     assert t["seconds_per_step"] == pytest.approx(sum(t["terms"].values()))
     # the compute term is the former estimate: FLOPs / (GPUs x peak x MFU), MFU of the kernels alone
     assert t["terms"]["compute"] == pytest.approx(t["flops_per_step"] / (8 * 125e12 * 0.35))
     assert t["dominant"] == "compute"
     # every option's hours now include communication and fixed costs
-    own = next(o for o in plan8b["options"] if o["recipe"])
+    own = next(o for o in plan8b.options if o["recipe"])
     assert own["seconds_per_step"] == pytest.approx(t["seconds_per_step"])
 
 
 def test_8b_nodes_table(plan8b):
-    rows = {row["nodes"]: row for row in plan8b["time"]["nodes"]["rows"]}
+    rows = {row["nodes"]: row for row in plan8b.time["nodes"]["rows"]}
     one, four = rows[1]["clusters"]["v100-sxm2-1xedr"], rows[4]["clusters"]["v100-sxm2-1xedr"]
     assert (rows[1]["grad_accum"], rows[4]["grad_accum"]) == (480, 120)
     assert 3 < one["seconds_per_step"] / 3600 < 4  # per-document attention (sdpa_docs); 4.97 h with the dense mask
@@ -155,14 +156,14 @@ def test_8b_nodes_table(plan8b):
     # hpZ's secondary copy fits at 4 nodes (32-way sharding frees more than it costs)
     assert rows[4]["hpz_fits"] and rows[4]["hpz_extra_bytes"] == tm.hpz_bytes(8_030_261_248, 2, 8)
     assert four["hpz_seconds_per_step"] < four["seconds_per_step"]
-    assert any("hpZ" in a for a in plan8b["time"]["nodes"]["advice"])
+    assert any("hpZ" in a for a in plan8b.time["nodes"]["advice"])
     text = format_plan(plan8b)
     for needle in ("communication", "optimizer", "fixed", "dominated by compute", "nodes (same", "overtakes compute"):
         assert needle in text, needle
 
 
 def test_offload_on_four_gpus():
-    t = compute_plan(load_recipe("llama8b_zero3_offload"))["time"]
+    t = compute_plan(load_recipe("llama8b_zero3_offload")).time
     pm = t["per_micro_step"]
     assert pm["offload_grad_pcie_s"] < pm["compute_s"]  # hidden at 16K tokens per micro-step
     assert 6 < t["seconds_per_step"] / 3600 < 8 and t["dominant"] == "compute"
@@ -170,11 +171,11 @@ def test_offload_on_four_gpus():
 
 
 def test_unknown_cluster_is_refused():
-    from zerotune.plan import PlanError
+    from zerotune.planner.compute import PlanError
 
     with pytest.raises(PlanError, match="cluster"):
         compute_plan(load_recipe("llama8b_zero3"), cluster="infiniband-9000")
-    four = compute_plan(load_recipe("llama8b_zero3"), nodes=4, cluster="v100-sxm2-4xedr")["time"]
+    four = compute_plan(load_recipe("llama8b_zero3"), nodes=4, cluster="v100-sxm2-4xedr").time
     assert four["cluster"] == "v100-sxm2-4xedr" and four["inter_node_gbs"] == pytest.approx(40)
 
 

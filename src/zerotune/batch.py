@@ -54,6 +54,12 @@ class BatchPlan:
                 f"({self.sequences_per_step:,} sequences per optimizer step)")
 
 
+def grad_accum(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int) -> int:
+    """Micro-batches per optimizer step: the one formula. Where the batch does not divide exactly (derive refuses
+    it; the planner still sizes it), the next whole number."""
+    return max(1, -(-global_batch_tokens // (seq_len * micro_batch_size * world_size)))
+
+
 def derive(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int) -> BatchPlan:
     per = seq_len * micro_batch_size * world_size
     if global_batch_tokens % per:
@@ -63,4 +69,5 @@ def derive(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_
             f"train.global_batch_tokens={global_batch_tokens:,} is not a multiple of seq_len x micro-batch x world "
             f"= {seq_len} x {micro_batch_size} x {world_size} = {per:,}. Nearest valid: {lo * per:,} "
             f"(grad-accum {lo}) or {hi * per:,} (grad-accum {hi}).")
-    return BatchPlan(global_batch_tokens, seq_len, micro_batch_size, world_size, global_batch_tokens // per)
+    return BatchPlan(global_batch_tokens, seq_len, micro_batch_size, world_size,
+                     grad_accum(global_batch_tokens, seq_len, micro_batch_size, world_size))

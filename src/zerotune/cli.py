@@ -96,8 +96,9 @@ def _stage(args, r) -> int:
         inspect_data(r, n=args.n)
     elif args.stage == "finetune":
         if args.dry_run:
-            from .plan import dry_run
-            print(dry_run(r))
+            from .planner.compute import compute_plan
+            from .planner.report import dry_run
+            print(dry_run(compute_plan(r), r))
             return 0
         from .train import launch  # the ranks and finalize start from the run folder: train/__main__.py
         return launch(r, skip_preflight=args.skip_preflight)

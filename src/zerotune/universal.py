@@ -118,9 +118,11 @@ def check(r, ckpt: Path, saved: int, world: int) -> None:
             f"all: {', '.join(map(str, ok))}).") from None
 
 
-def prepare(r, world: int) -> Path | None:
+def prepare(r, world: int, free_needed: int = 0) -> Path | None:
     """In the launcher, before any worker: when the newest committed checkpoint was written at another world size,
-    make sure it has a universal conversion (build it once, or reuse it) and return its folder; else None."""
+    make sure it has a universal conversion (build it once, or reuse it) and return its folder; else None.
+    free_needed: what the rest of the run still needs on output_dir's file system after the conversion (the
+    launch's plan, Plan.disk["needed_free_bytes"])."""
     from .checkpoint import last_committed
     from .layout import layout
 
@@ -145,19 +147,12 @@ def prepare(r, world: int) -> Path | None:
             print(f"finetune: the universal conversion of {ckpt.name} is unusable ({why}): converting again", flush=True)
         print(f"finetune: {ckpt.name} was written by {procs(saved)} and this run has {world}: converting it once "
               f"to DeepSpeed's universal format in {view(ckpt)} (the original is only read)", flush=True)
-        m = convert(ckpt, saved, free_needed=_free_needed(r))
+        m = convert(ckpt, saved, free_needed=free_needed)
         print(f"finetune: converted in {m['elapsed_s']:.1f} s: {m['bytes'] / 1e9:.2f} GB beside {ckpt.name} (fp32 "
               f"weights, Adam m and v of {sum(p['numel'] for p in m['params'].values()):,} parameters; "
               f"{m['peak_bytes'] / 1e9:.2f} GB at the peak of the conversion)", flush=True)
     _rng_files(ckpt, view(ckpt), saved, world)
     return view(ckpt)
-
-
-def _free_needed(r) -> int:
-    """What the rest of the run still needs on output_dir's file system after the conversion (plan.disk_preflight)."""
-    from .plan import compute_plan
-
-    return compute_plan(r)["disk"]["needed_free_bytes"]
 
 
 def convert(ckpt: Path, saved_world: int, free_needed: int = 0) -> dict:

@@ -503,7 +503,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
                         "efficiency": round(real / tr["total_tokens"], 4) if r.data.packing else None},
             "doc_length": _percentiles(lengths),
             # sum of d^2 / sum of d over the training rows' documents (padding tails included): the mean span a token
-            # attends over with per-document attention; the planner times attention with it (plan.py _flops)
+            # attends over with per-document attention; the planner times attention with it (planner/compute.py _flops)
             "attention_span": round(tr["attention_pairs"] / max(1, tr["total_tokens"]), 1),
             "pad_token_id": tok.pad_token_id,
             "replay": replay,

@@ -48,13 +48,16 @@ def materialise_base(r: Recipe) -> Path:
     return out
 
 
-def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = False) -> None:
+def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = False, plan=None) -> None:
     """What is checked and built before any worker starts, and the recipe every process of the run reads.
     world: the job's process count; a committed checkpoint written at another one is converted here
-    (universal.py), once, before any worker waits on it (None: the caller launches no training)."""
+    (universal.py), once, before any worker waits on it (None: the caller launches no training).
+    plan: the launch's planner.compute.Plan when the caller has it already (slurm/job.py prints it first); computed
+    here otherwise, once, and handed to the memory gate, the disk gate and the conversion."""
     from .. import universal
     from ..checkpoint import last_committed
-    from ..plan import disk_preflight, preflight
+    from ..planner.compute import compute_plan
+    from ..planner.gate import disk_preflight, preflight
     from ..weights import require_weights
 
     require_weights(r)  # on this node, offline: the workers never download (`zerotune fetch` does, beforehand)
@@ -64,11 +67,12 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
         saved = universal.needed(ckpt, world)
         if saved is not None:
             universal.check(r, ckpt, saved, world)
+    plan = plan or compute_plan(r)
     if not skip_preflight:
-        preflight(r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)
-        disk_preflight(r, r.out)
+        preflight(plan, r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)
+        disk_preflight(plan, r, r.out)
     if world is not None:
-        universal.prepare(r, world)
+        universal.prepare(r, world, free_needed=plan.disk["needed_free_bytes"])
     materialise_base(r)
     mf.write_resolved_recipe(layout(r).train, r)  # layout(r).run_recipe: what the workers and finalize read
     layout(r).stopped.unlink(missing_ok=True)  # how the workers end is read after they do: only theirs may be there
