@@ -153,3 +153,27 @@ def test_a_truncated_reply_trains_its_text_not_its_end_of_turn(tokenizer):
     assert label_text(cut) == reply
     with pytest.raises(Exception, match="'truncated' must be true or false, on an assistant turn"):
         validate_messages([{**whole[0], "truncated": True}, whole[1]], "row 3")
+
+
+def test_replay_answers_in_the_familys_precision_on_a_v100(monkeypatch, tmp_path):
+    """Issue 41 item 2: the replay step chose its precision without the model family, so a Gemma 3 base answered in
+    fp16 on a V100 or T4 (families.py refuses Gemma 3 in fp16; its activations overflow). It answers in fp32 there,
+    a Llama in fp16; the plan books the same."""
+    import torch
+
+    from zerotune import hardware
+    from zerotune.data.replay import _device_and_dtype
+    from zerotune.families import FAMILIES
+    from zerotune.planner.compute import compute_plan
+
+    monkeypatch.setattr(hardware, "detect", lambda: hardware.GPUS["v100-32gb"])
+    assert _device_and_dtype(FAMILIES["gemma3"])[1:] == (torch.float32, "fp32")
+    assert _device_and_dtype(FAMILIES["llama"])[1:] == (torch.float16, "fp16")
+    replay = ["data.replay.path=data/general/prompts.jsonl", "plan.gpu=v100-32gb", "model.init_config=null"]
+    for name in ("gemma3", "llama31"):  # a "pretrained" folder: replay needs one (a random init has nothing to replay)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((REPO / "configs" / "models" / f"tiny_{name}.json").read_text())
+    gemma = load_recipe("tiny_gemma3", [*replay, f"model.name_or_path={tmp_path / 'gemma3'}"])
+    llama = load_recipe("tiny", [*replay, f"model.name_or_path={tmp_path / 'llama31'}"])
+    assert compute_plan(gemma).replay["precision"] == "fp32"
+    assert compute_plan(llama).replay["precision"] == "fp16"

@@ -145,8 +145,10 @@ def replay_key(r: Recipe, tok) -> dict:
     return {"key": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16], "inputs": inputs}
 
 
-def _device_and_dtype():
-    """Where training would run: a CUDA GPU in its training precision (hardware.choose), else the CPU in fp32."""
+def _device_and_dtype(family):
+    """Where training would run: a CUDA GPU in its training precision for this model family (hardware.choose: a
+    Gemma 3 on a V100 or T4 answers in fp32, as it trains, never in the fp16 families.py refuses), else the CPU in
+    fp32."""
     import torch
 
     from ..hardware import choose, detect
@@ -154,8 +156,8 @@ def _device_and_dtype():
     gpu = detect()
     if gpu.capability is None:
         return "cpu", torch.float32, "fp32"
-    precision = choose(gpu, fa2_installed=False).precision
-    return "cuda", {"fp16": torch.float16, "bf16": torch.bfloat16}[precision], precision
+    precision = choose(gpu, fa2_installed=False, family=family).precision
+    return "cuda", {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision], precision
 
 
 def answer(r: Recipe, tok, prompts: list[dict], key: dict) -> dict:
@@ -163,9 +165,11 @@ def answer(r: Recipe, tok, prompts: list[dict], key: dict) -> dict:
     from ..answering import hf_answers, load_hf
     from ..weights import local_folder
 
+    from ..families import of_config
+
     paths = layout(r)
-    device, dtype, precision = _device_and_dtype()
     base = local_folder(str(paths.base))
+    device, dtype, precision = _device_and_dtype(of_config(Path(base)))
     rp = r.data.replay
     print(f"data: replay: the base model ({r.model.name_or_path}) answers {len(prompts)} prompts of "
           f"{rp.path} on {device} in {precision}, {r.eval.batch_size} per batch, up to {rp.max_new_tokens} new "

@@ -384,7 +384,7 @@ def _replay(r: Recipe, shape, g: hardware.GPU) -> dict | None:
         rows = load_prompts(r)  # data.replay.limit applied
     except UserError as e:  # a missing or bad prompt file: the data step says so; the plan reports it
         return {"error": str(e)}
-    precision = hardware.choose(g, fa2_installed=False).precision  # as data/replay.py _device_and_dtype
+    precision = hardware.choose(g, fa2_installed=False, family=shape.fam).precision  # as data/replay.py _device_and_dtype
     on_gpu = g.capability is not None
     capacity = int(g.usable_gib * GiB) if on_gpu else int(r.plan.cpu_ram_gb * 1e9)  # one process, the node's RAM
     prompt = replay_prompt_bound(rows)
