@@ -338,7 +338,8 @@ def _data_steps(r: Recipe, bp: batchmod.BatchPlan | None) -> dict:
         return {"train_sequences": None, "steps_per_epoch": None, "total_steps": None}
     n = man["sequences"]["train"]
     return {"train_sequences": n, "sequences_per_step": bp.sequences_per_step, "steps_per_epoch": bp.steps_per_epoch(n),
-            "total_steps": bp.total_steps(n, r.train.max_steps, r.train.epochs)}
+            "total_steps": bp.total_steps(n, r.train.max_steps, r.train.epochs),
+            "eval_sequences": man["sequences"].get("eval")}
 
 
 def _inference(r: Recipe, shape) -> dict:
@@ -482,6 +483,10 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     suggestions = [] if rec else _suggestions(r, shape, choice, zero, gpn, nn, g, capacity, accum)
     time = _step_time(r, shape, g, gpu_name, r.data.seq_len, world, r.train.micro_batch_size, choice.attention, docs,
                       **time_kw)
+    _samples_gather_once(phases["samples"], shape, choice, capacity, world)
+    for name, t in _phase_times(r, shape, g, gpu_name, choice, gpn, nn, cluster, disk, docs, data, time,
+                                gather_once=phases["samples"]["gather_once"]).items():
+        phases[name]["time"] = t
     if time["seconds_per_step"] and g.cluster and _zero_settings(zero)["zero_stage"] == 3:  # multi-node = ZeRO-3 here
         time["nodes"] = _node_table(r, shape, g, gpu_name, choice, zero, accum, gpn, docs, save_s, capacity,
                                     cluster or g.cluster)
@@ -540,6 +545,44 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
         finalize={"parts": fin["parts"], "peak_bytes": fin["peak_bytes"], "cpu_ram_bytes": fin["capacity_bytes"]},
         replay=_replay(r, shape, g),  # the data step's answering, before the job (not part of preflight)
     )
+
+
+def _samples_gather_once(samples: dict, shape, choice, capacity: int, world: int) -> None:
+    """In-training samples under ZeRO-3 across ranks: gather the whole model once per round (evaluation.py, as TRL's
+    unwrap_model_for_generation does) when it fits beside the phase's own peak, instead of once per generated token.
+    Where it fits, the phase holds the 16-bit model too; where it does not (one 8xV100 node at 8B), per-token
+    gathers stay, over the node's NVLink. Sets samples["gather_once"] and adds its bytes to the phase."""
+    whole = hardware.dtype_bytes(choice.precision) * shape.n_params
+    once = world > 1 and samples["peak_bytes"] + whole <= capacity
+    samples["gather_once"] = once
+    if once:
+        samples["parts"]["whole model gathered once (16-bit)"] = whole
+        samples["peak_bytes"] += whole
+        samples["fits"] = samples["peak_bytes"] <= samples["capacity_bytes"]
+        samples["what"] += "; the whole model gathered once per round"
+
+
+def _phase_times(r: Recipe, shape, g, gpu_name, choice, gpn: int, nodes: int, cluster, disk: dict, docs, data: dict,
+                 time: dict, gather_once: bool = False) -> dict:
+    """Each non-training phase's seconds on the target cluster (time.phase_times); {} where the time model has
+    no figures (a CPU target)."""
+    from ..answering import eval_sets
+
+    mfu = r.plan.mfu or hardware.GPUS[gpu_name].default_mfu
+    name = cluster or g.cluster
+    if not (mfu and g.peak_tflops and name):
+        return {}
+    sets = eval_sets(r)
+    seq = r.data.seq_len
+    span = (time.get("attention_span") or (seq / 2 if time["attention_kind"] == "causal" else seq))
+    return timemodel.phase_times(
+        n_params=shape.n_params, layers=shape.layers, q_dim=shape.q_dim,
+        dtype_bytes=hardware.dtype_bytes(choice.precision), world=gpn * nodes, nodes=nodes,
+        c=timemodel.CLUSTERS[name], peak_tflops=hardware.peak_tflops(g, choice.precision), mfu=mfu, seq=seq,
+        attention_span=span, eval_rows=data.get("eval_sequences") if r.data.eval_fraction > 0 else 0,
+        samples=r.eval.samples if sets else 0, prompt_tokens=seq,  # the memory phase's bound: prompts <= a row
+        new_tokens=sets[0].max_new_tokens if sets else 0, checkpoint_bytes=disk["checkpoint_bytes"],
+        model_bytes=disk["model_bytes"], save_s=disk["checkpoint_bytes"] / SAVE_BYTES_PER_S, gather_once=gather_once)
 
 
 def _phases(r: Recipe, shape, choice, zero, g, gpn: int, world: int, capacity: int, train: dict) -> dict:

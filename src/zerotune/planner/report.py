@@ -22,6 +22,33 @@ def _h(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:,.1f} s"
 
 
+def _phase_time(name: str, ph: dict) -> str:
+    """The phase's seconds once (planner/time.py phase_times); the training step's are in the time section."""
+    t = ph.get("time")
+    if name == "train_step":
+        return "below"
+    if not t or not ph["runs"]:
+        return "-"
+    if t["seconds"] is None:  # validation before `make data`: the eval rows are not counted yet
+        return f"{t['per_row_s']:.1f} s/row"
+    return _duration(t["seconds"])
+
+
+def _phase_time_notes(p: Plan) -> list[str]:
+    v, s = p.phases["validation"].get("time"), p.phases["samples"].get("time")
+    if not (v and s):
+        return []
+    out = []
+    if p.phases["samples"]["runs"] and s["seconds"]:
+        how = ("the whole model is gathered once per round (it fits beside the phase's peak), then each token reads "
+               "local weights" if s["gather_once"] else
+               "the whole model does not fit beside the phase's peak, so under ZeRO-3 every new token gathers every "
+               "parameter again")
+        out.append(f"  samples: {s['prompts']} prompts x up to {s['new_tokens']} new tokens; {how}: "
+                   f"{s['per_token_s']:.2f} s per token on this cluster")
+    return out
+
+
 def format_replay(p: Plan) -> list[str]:
     """data.replay's answering in the data step: its peak on one device against that device, and its time."""
     rp = p.replay
@@ -136,12 +163,13 @@ def format_plan(p: Plan) -> str:
     if not p.recommended:
         lines.append("  nothing fits. Try: " + "; ".join(p.suggestions))
     lines.append("\nevery phase of the job (peak per GPU, or host RAM per node):")
-    lines.append(f"  {'phase':<12} {'peak':>10}  {'of capacity':>16}  fits  what")
+    lines.append(f"  {'phase':<12} {'peak':>10}  {'of capacity':>16}  fits  {'time':>9}  what")
     for name, ph in p.phases.items():
         unit = f"{ph['capacity_bytes'] / GiB:.2f} GiB {ph['limit']}"
         verdict = ("yes" if ph["fits"] else "NO ") if ph["runs"] else "-  "
-        lines.append(f"  {name:<12} {_gib(ph['peak_bytes'])}  {unit:>16}  {verdict}   {ph['what']}"
-                     + ("" if ph["runs"] else " (does not run: see the recipe)"))
+        lines.append(f"  {name:<12} {_gib(ph['peak_bytes'])}  {unit:>16}  {verdict}   {_phase_time(name, ph):>9}  "
+                     f"{ph['what']}" + ("" if ph["runs"] else " (does not run: see the recipe)"))
+    lines += _phase_time_notes(p)
     lines += format_replay(p)
     lines += format_time(p)
     d = p.data

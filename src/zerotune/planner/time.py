@@ -145,6 +145,15 @@ FIGURES: dict[str, Figure] = {
         0.5, "s per step", "logging, zerotune's step metrics and their all-reduce of a few scalars, host syncs",
         "assumption (upper bound): NCCL small-message all-reduce ~25-35 us on 2 nodes (NVIDIA/nccl-tests#128 "
         "rows); a handful of .item() syncs and one log line per step"),
+    # --- the phases after the training steps ---------------------------------------------------------
+    "storage_read": Figure(
+        1.0e9, "B/s", "reading a checkpoint or the consolidated model back from shared storage, all ranks together",
+        "assumption, the same figure as the write rate (compute.SAVE_BYTES_PER_S): measure your own file system"),
+    "cpu_fp16_flops": Figure(
+        5.0e10, "FLOP/s", "finalize's probe forward on the host CPU in the training dtype (fp16/bf16 matmuls on a "
+        "CPU without native 16-bit arithmetic)",
+        "assumption (order of magnitude): torch's CPU fp16 GEMM converts to fp32 tiles; a 36-core Xeon node's "
+        "fp32 peak is ~2-3 TFLOPS, 16-bit conversions and the 256-token shape keep it well below"),
 }
 
 
@@ -307,3 +316,47 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
 def hpz_bytes(n_params: int, dtype_bytes: int, hpz: int) -> int:
     """GPU bytes of hpZ's secondary parameter copy (partition_parameters.py _partition_param_sec)."""
     return 0 if hpz <= 1 else int(math.ceil(n_params / hpz) * dtype_bytes)
+
+
+def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, world: int, nodes: int, c: Cluster,
+                peak_tflops: float, mfu: float, seq: int, attention_span: float, eval_rows: int | None,
+                samples: int, prompt_tokens: int, new_tokens: int, checkpoint_bytes: int, model_bytes: int,
+                save_s: float, gather_once: bool = False, probe_tokens: int = 256) -> dict:
+    """Seconds of each phase that is not a training step, once each (the plan prints them beside their memory;
+    the deadline reserves the end of training's validation and samples).
+    validation: every rank forwards ceil(eval rows / world) rows of `seq` tokens, no grad: 2N + attention FLOPs
+      per token, and ZeRO-3 gathers every parameter for each forward (the training forward's all-gather).
+    samples: greedy generation under ZeRO-3: a prefill of the prompt, then one forward per new token, and each of
+      those gathers every parameter again (deepspeed 0.19.8 partitioned_param_coordinator.py ~494-499, 634-660:
+      stage3_max_reuse_distance 1e9 < the parameters gathered per token, so nothing stays): at 8B, 16 GB per token.
+      gather_once: the whole model is gathered once for the round (evaluation.py, where the plan finds the memory
+      for it), then each token reads the local weights from HBM: decode is memory-bound.
+    save: the checkpoint write (compute.SAVE_BYTES_PER_S). resume: reading it back (storage_read).
+    finalize: rank 0 reads the consolidated model back and runs the verification probe on the CPU."""
+    multi = nodes > 1
+    gather = collective_s(dtype_bytes * n_params, world, c, multi)
+    flops_s = peak_tflops * 1e12 * mfu
+
+    def forward_s(tokens: int, span: float) -> float:
+        compute = tokens * (2 * n_params + 2 * 2 * span * q_dim * layers) / flops_s
+        return _pass_s(compute, gather, F("overlap"))
+
+    per_row = forward_s(seq, attention_span)
+    rows = -(-eval_rows // world) if eval_rows else None
+    if gather_once:
+        local = dtype_bytes * n_params / (c.hbm * GB)  # every weight read once per token
+        token = max(local, (2 * n_params + 2 * 2 * (prompt_tokens + new_tokens / 2) * q_dim * layers) / flops_s)
+        prefill = prompt_tokens * (2 * n_params + 2 * prompt_tokens * q_dim * layers) / flops_s
+        once = gather
+    else:
+        token = forward_s(1, prompt_tokens + new_tokens / 2)  # decode: gather-bound, the compute is ~0
+        prefill = forward_s(prompt_tokens, prompt_tokens / 2)
+        once = 0.0
+    return {
+        "validation": {"seconds": per_row * rows if rows else None, "per_row_s": per_row, "rows_per_rank": rows},
+        "samples": {"seconds": once + samples * (prefill + new_tokens * token) if samples else 0.0,
+                    "per_token_s": token, "prompts": samples, "new_tokens": new_tokens, "gather_once": gather_once},
+        "save": {"seconds": save_s},
+        "resume": {"seconds": checkpoint_bytes / F("storage_read")},
+        "finalize": {"seconds": model_bytes / F("storage_read") + probe_tokens * 2 * n_params / F("cpu_fp16_flops")},
+    }
