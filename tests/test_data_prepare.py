@@ -10,7 +10,8 @@ import pytest
 
 from zerotune.config import from_dict
 from zerotune.data import prepare as prep
-from zerotune.data.prepare import StaleDataError, prepare, require_prepared
+from zerotune.data.cache import StaleDataError, require_prepared
+from zerotune.data.prepare import prepare
 from zerotune.layout import layout
 from zerotune.data.sources import BadSample, SourceError
 from zerotune.data.tokenize import IGNORE, TemplateError, encode_chat
