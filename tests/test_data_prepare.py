@@ -12,9 +12,10 @@ from zerotune.config import from_dict
 from zerotune.data import prepare as prep
 from zerotune.data.cache import StaleDataError, require_prepared
 from zerotune.data.prepare import prepare
-from zerotune.layout import layout
-from zerotune.data.sources import BadSample, SourceError
+from zerotune.data.sources import SourceError
 from zerotune.data.tokenize import IGNORE, TemplateError, encode_chat
+from zerotune.errors import BadSample
+from zerotune.layout import layout
 
 WORDS = "red blue green cat dog bird tree river stone cloud light sound".split()
 

@@ -12,8 +12,8 @@ import pytest
 from conftest import REPO
 from zerotune.config import RecipeError, from_dict
 from zerotune.data.formats import read_row
-from zerotune.data.sources import BadSample
 from zerotune.data.tokenize import IGNORE, ChatRenderer, encode_chat
+from zerotune.errors import BadSample
 
 SMOLLM2 = REPO / "assets" / "models" / "smollm2-135m-instruct"
 

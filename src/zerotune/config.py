@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from .data.formats import FORMATS, ROLE_TARGETS, tool_definitions
 from .errors import UserError
 from .hardware import GPUS
 from .quant_types import QUANT_TYPES
@@ -47,56 +48,21 @@ class ModelCfg:
     init_seed: int = _f(1234, "Seed for random initialisation from init_config")
 
 
-# The names `columns` may map, per source format (data/formats.py reads rows and messages by them). Chat formats
-# also map message keys: `role` and `content`.
-COLUMN_NAMES = {
-    "messages": ("messages", "system", "tools", "role", "content"),
-    "sharegpt": ("messages", "system", "tools", "role", "content"),
-    "instruction": ("instruction", "input", "output", "system", "tools"),
-    "prompt_completion": ("prompt", "completion", "system", "tools"),
-    "text": ("text",),
-}
-# What `roles` may map a data set's role names onto; tool_call = an assistant turn whose text is a tool call
-ROLE_TARGETS = ("system", "user", "assistant", "tool", "tool_call")
-
-
-def tool_definitions(value, what: str = "tools") -> list | None:
-    """Tool definitions as chat templates take them: OpenAI's [{type: function, function: {name, ...}}], for a
-    source (data.sources[i].tools) and for a row's own (data/formats.py). Bare {name, description, parameters}
-    items (LLaMA-Factory, glaive) are wrapped into that form; JSON text is parsed; an empty list, "" or null is no
-    tools. Raises ValueError(reason, fix)."""
-    if isinstance(value, str) and value.strip():
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"'{what}' holds malformed JSON ({e.msg} at column {e.colno}).",
-                             "repair the JSON in that field.") from None
-    if value is None or value == "" or value == []:
-        return None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise ValueError(f"'{what}' must be a list of tool definitions, got {type(value).__name__}.",
-                         "use OpenAI's form: [{\"type\": \"function\", \"function\": {\"name\": ..., "
-                         "\"parameters\": {...}}}].")
-    out = []
-    for k, t in enumerate(value):
-        t = t if "function" in t else {"type": "function", "function": t}
-        if not isinstance(t["function"], dict) or not isinstance(t["function"].get("name"), str):
-            raise ValueError(f"'{what}' item {k} has no function name.",
-                             "each tool needs {\"type\": \"function\", \"function\": {\"name\": ...}}.")
-        out.append(t)
-    return out
+# One table of data formats: data/formats.py
+FormatName = Literal[tuple(FORMATS)]
+_MESSAGE_FORMATS = " or ".join(f.name for f in FORMATS.values() if f.message_keys)  # rows that hold a message list
 
 
 @dataclass
 class SourceCfg:
     path: str = _f("", "Local file (.jsonl/.json/.parquet/.csv) or hub dataset id")
-    format: Literal["messages", "sharegpt", "instruction", "prompt_completion", "text"] = _f("messages", "Row format (docs/data.md): messages = OpenAI chat (weights, tools), sharegpt = {conversations: [{from, value}]}")
+    format: FormatName = _f("messages", "Row format (docs/data.md): " + "; ".join(f"{f.name} = {f.what}" for f in FORMATS.values()))
     weight: float = _f(1.0, "Mixture weight: fraction of this source's rows to use (>1 repeats rows)")
     split: str = _f("train", "Split, for hub datasets")
     name: Optional[str] = _f(None, "Config name, for hub datasets")
     revision: Optional[str] = _f(None, "Revision, for hub datasets")
-    columns: dict = _f({}, "Your names for our fields, per format (row fields, and message keys role/content for chat formats), e.g. {messages: conversations, role: from, content: value}")
-    roles: dict = _f({}, "Chat formats: your role names -> ours (" + ", ".join(ROLE_TARGETS) + "; tool_call = an assistant tool call), over ShareGPT's usual names for format sharegpt, e.g. {bot: assistant}")
+    columns: dict = _f({}, "Your names for our fields, per format (row fields, and message keys role/content for " + _MESSAGE_FORMATS + "), e.g. {messages: conversations, role: from, content: value}")
+    roles: dict = _f({}, "Formats " + _MESSAGE_FORMATS + ": your role names -> ours (" + ", ".join(ROLE_TARGETS) + "; tool_call = an assistant tool call), over ShareGPT's usual names for format sharegpt, e.g. {bot: assistant}")
     tools: Optional[list] = _f(None, "Chat formats: tool definitions ([{type: function, function: {name, description, parameters}}]) rendered into every conversation of this source that has no 'tools' of its own; null = rows' own only")
 
 
@@ -341,18 +307,20 @@ def _build_source(raw: Any, where: str) -> SourceCfg:
     src = _build(SourceCfg, raw, where)
     if not src.path:
         raise RecipeError(f"{where}.path: every data source needs a path or hub id.")
-    names = COLUMN_NAMES[src.format]
+    fmt = FORMATS[src.format]
+    names = fmt.columns
     for key, col in src.columns.items():  # a mistyped name would otherwise be ignored and the field read unmapped
         if key not in names or not isinstance(col, str):
             raise RecipeError(f"{where}.columns: {key!r}: {col!r} is not a mapping of one of format {src.format}'s "
                               f"fields {list(names)} to your column name.{_suggest(str(key), names)}")
-    chat = src.format in ("messages", "sharegpt")
-    if src.roles and (not chat or not all(isinstance(k, str) and v in ROLE_TARGETS for k, v in src.roles.items())):
-        raise RecipeError(f"{where}.roles: {src.roles!r}: for format messages or sharegpt only, each of your role "
+    if src.roles and (not fmt.message_keys
+                      or not all(isinstance(k, str) and v in ROLE_TARGETS for k, v in src.roles.items())):
+        raise RecipeError(f"{where}.roles: {src.roles!r}: for format {_MESSAGE_FORMATS} only, each of your role "
                           f"names mapped to one of {list(ROLE_TARGETS)}, e.g. {{bot: assistant}}.")
     if src.tools is not None:
-        if src.format == "text":
-            raise RecipeError(f"{where}.tools: format text renders no chat template, so it has no tools; remove it.")
+        if not fmt.chat:
+            raise RecipeError(f"{where}.tools: format {src.format} renders no chat template, so it has no tools; "
+                              f"remove it.")
         try:
             src.tools = tool_definitions(src.tools)
         except ValueError as e:

@@ -31,13 +31,13 @@ from tqdm import tqdm
 
 from .. import manifest as mf
 from ..config import Recipe
-from ..errors import UserError
+from ..errors import BadSample, UserError
 from ..layout import layout
 from .cache import fingerprint, load_tokenizer
-from .formats import read_row
+from .formats import FORMATS, read_row
 from .packing import attention_pairs, best_fit_decreasing, iter_packed
 from .replay import replay_key, replay_source
-from .sources import SKIP_HINT, BadSample, mixture, mixture_plan
+from .sources import SKIP_HINT, mixture, mixture_plan
 from .tokenize import IGNORE, ChatRenderer, encode_batch, require_chat_template
 
 CHUNK_ROWS = 256  # rows per tokenization task
@@ -362,7 +362,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
     if not r.data.sources:
         raise UserError(f"recipe {r.name}: data.sources is empty; list at least one file or hub data set.")
     tok = load_tokenizer(r)
-    if any(s.format != "text" for s in r.data.sources):
+    if any(FORMATS[s.format].chat for s in r.data.sources):
         require_chat_template(tok, r.model.tokenizer)
     fp = fingerprint(r, tok)
     paths = layout(r)

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import UserError
-from .sources import BadSample
+from ..errors import BadSample, UserError
+from .formats import FORMATS
 
 IGNORE = -100
 
@@ -40,9 +40,11 @@ class TemplateError(UserError, ValueError):
 
 def require_chat_template(tok, where: str) -> None:
     if not getattr(tok, "chat_template", None):
-        raise TemplateError(f"tokenizer {where} has no chat template, so chat data (formats messages, sharegpt, "
-                            "instruction, prompt_completion) cannot be rendered. Fix: use a tokenizer that has one (e.g. the "
-                            "Instruct model's), add `chat_template` to its tokenizer_config.json, or use format: text.")
+        chat = ", ".join(f.name for f in FORMATS.values() if f.chat)
+        plain = " or ".join(f.name for f in FORMATS.values() if not f.chat)
+        raise TemplateError(f"tokenizer {where} has no chat template, so chat data (formats {chat}) cannot be "
+                            f"rendered. Fix: use a tokenizer that has one (e.g. the Instruct model's), add "
+                            f"`chat_template` to its tokenizer_config.json, or use format: {plain}.")
 
 
 # Probe conversations: a template renders a feature when the probe's marker comes out in its text. Each probe
