@@ -77,7 +77,7 @@ class ReplayCfg:
 @dataclass
 class DataCfg:
     sources: list = _f([], "List of sources (see SourceCfg)")
-    heldout: Optional[str] = _f(None, "JSONL of held-out chat prompts with reference answers, used by check")
+    heldout: Optional[str] = _f(None, "JSONL of held-out chat prompts with reference answers, scored exact by check and eval: the short form of one eval set (set one of the two, not both)")
     seq_len: int = _f(2048, "Tokens per packed sequence (or max length unpacked)")
     packing: bool = _f(True, "Pack documents into seq_len bins (best-fit decreasing); False = one row per document, length-grouped batches padded per batch")
     loss_on: Literal["all_assistant", "last_assistant"] = _f("all_assistant", "Which assistant turns carry loss")
@@ -167,7 +167,7 @@ class EvalSetCfg:
 
 @dataclass
 class EvalCfg:
-    sets: list = _f([], "Held-out sets scored by `zerotune eval` (base vs fine-tuned HF vs GGUF), see EvalSetCfg; empty = data.heldout scored exact")
+    sets: list = _f([], "Held-out sets scored by check and `zerotune eval` (base vs fine-tuned HF vs GGUF), see EvalSetCfg; empty = data.heldout scored exact (set one of the two, not both)")
     samples: int = _f(4, "Held-out prompts (first set) answered greedily at each in-training evaluation; 0 = none")
     batch_size: int = _f(8, "Prompts the HF models answer per generate() call in check, eval and data.replay (left-padded; the same greedy answers as one at a time)")
     lm_eval_tasks: list = _f([], "lm-evaluation-harness tasks run by `zerotune eval`; zerotune_heldout = the local task built from the first set")
@@ -431,6 +431,12 @@ def _validate(r: Recipe, where: str) -> None:
         raise RecipeError(f"{where}: eval.batch_size={r.eval.batch_size}: must be at least 1 (prompts per generate call).")
     if len({s.name for s in r.eval.sets}) != len(r.eval.sets):
         raise RecipeError(f"{where}: eval.sets names must be unique.")
+    if r.data.heldout and r.eval.sets:
+        # held-out prompts are declared one way: data.heldout is the short form of a single exact-scored set, and
+        # eval.sets, once set, is what every stage scores (answering.eval_sets), so the other would be ignored
+        raise RecipeError(f"{where}: data.heldout ({r.data.heldout}) and eval.sets are both set, and only eval.sets "
+                          f"is scored: list it in eval.sets ({{name: heldout, path: {r.data.heldout}, scorer: "
+                          f"exact}}) and set data.heldout: null, or set data.heldout alone.")
     if r.peft.method != "none":
         if r.peft.r <= 0 or r.peft.alpha <= 0 or not 0 <= r.peft.dropout < 1:
             raise RecipeError(f"{where}: peft.r and peft.alpha must be positive and peft.dropout in [0, 1).")
