@@ -20,8 +20,8 @@ from ..errors import MissingInputError, UserError
 from ..layout import layout
 from .replay import replay_key
 
-FORMAT_VERSION = 4  # bump when the on-disk layout or labelling rules change (3: "truncated" assistant turns;
-# 4: per-turn weight, tools and tool calls, ShareGPT)
+FORMAT_VERSION = 5  # bump when the on-disk layout or labelling rules change (3: "truncated" assistant turns;
+# 4: per-turn weight, tools and tool calls, ShareGPT; 5: tool-call turns in the form each template accepts)
 
 
 class StaleDataError(UserError, RuntimeError):
