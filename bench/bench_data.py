@@ -100,7 +100,8 @@ def main() -> None:
     from datasets import load_from_disk
 
     from zerotune.config import from_dict
-    from zerotune.data.prepare import load_tokenizer, prepare
+    from zerotune.data.cache import load_tokenizer
+    from zerotune.data.prepare import prepare
     from zerotune.layout import layout
 
     with tempfile.TemporaryDirectory(prefix="zt-bench-data-") as tmp:

@@ -87,7 +87,7 @@ def trl_chat_template() -> str | None:
     """TRL's own training template where it has one for the model's template (Llama-3), else ours (ChatML)."""
     from trl.chat_template_utils import get_training_chat_template
 
-    from zerotune.data.prepare import load_tokenizer
+    from zerotune.data.cache import load_tokenizer
 
     try:
         get_training_chat_template(load_tokenizer(recipe([])))
@@ -102,7 +102,7 @@ def trl_label_check(n: int) -> dict:
     from trl.chat_template_utils import get_training_chat_template
 
     from bench_data import baseline
-    from zerotune.data.prepare import load_tokenizer
+    from zerotune.data.cache import load_tokenizer
 
     tok = load_tokenizer(recipe([]))
     path = trl_chat_template()
@@ -126,7 +126,7 @@ def tokenize_padded(a, n: int, path: Path) -> dict:
     from datasets import Dataset
 
     from bench_data import baseline
-    from zerotune.data.prepare import load_tokenizer
+    from zerotune.data.cache import load_tokenizer
 
     tok = load_tokenizer(recipe(zt_overrides(a)))
     with open(CHAT) as f:

@@ -110,7 +110,7 @@ def test_score_models_zeroes_leaked_answers_fresh_and_from_the_cache(tmp_path, m
     task_rows = [{"messages": [{"role": "user", "content": "Extract: Ada, 36"}], "answer": '{"name": "Ada"}'}] * 2
     for name, rows in (("task", task_rows), ("retention", KEEP_ROWS)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = load_recipe("tiny", [f"output_dir={tmp_path / 'run'}",
+    r = load_recipe("tiny", [f"output_dir={tmp_path / 'run'}", "data.heldout=null",
                              f"eval.sets=[{{name: task, path: {tmp_path / 'task.jsonl'}, scorer: json_fields}}, "
                              f"{{name: retention, path: {tmp_path / 'retention.jsonl'}, scorer: contains}}]"])
     paths = layout(r)

@@ -69,7 +69,7 @@ def test_check_writes_leakage_and_fails_past_max_leakage(tmp_path, monkeypatch, 
 
     for name in ("task", "retention"):
         (tmp_path / f"{name}.jsonl").write_text('{"messages": [{"role": "user", "content": "q"}], "answer": "a"}\n')
-    r = load_recipe("tiny", [f"output_dir={tmp_path / 'run'}",
+    r = load_recipe("tiny", [f"output_dir={tmp_path / 'run'}", "data.heldout=null",
                              f"eval.sets=[{{name: task, path: {tmp_path / 'task.jsonl'}, scorer: json_fields}}, "
                              f"{{name: retention, path: {tmp_path / 'retention.jsonl'}, scorer: contains, "
                              f"max_leakage: 0.0}}]"])

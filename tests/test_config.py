@@ -97,3 +97,19 @@ def test_eval_batch_size_below_one_is_refused_at_load():
 
     with pytest.raises(RecipeError, match=r"eval.batch_size=0: must be at least 1"):
         load_recipe("tiny", ["eval.batch_size=0"])
+
+
+def test_heldout_prompts_are_declared_one_way_data_heldout_or_eval_sets():
+    """data.heldout is the short form of one exact-scored set; with eval.sets beside it, it used to be ignored
+    silently (answering.eval_sets scores eval.sets alone). Both set: refused, naming both keys and the fix."""
+    from zerotune.answering import eval_sets
+    from zerotune.config import RecipeError, load_recipe
+
+    sets = "eval.sets=[{name: task, path: data/tiny/heldout.jsonl, scorer: contains}]"
+    with pytest.raises(RecipeError) as e:
+        load_recipe("tiny", [sets])
+    msg = str(e.value)
+    assert msg.startswith("recipes/tiny.yaml: data.heldout (data/tiny/heldout.jsonl) and eval.sets are both set")
+    assert "set data.heldout: null" in msg and "\n" not in msg
+    assert [s.name for s in eval_sets(load_recipe("tiny", [sets, "data.heldout=null"]))] == ["task"]
+    assert [(s.name, s.scorer) for s in eval_sets(load_recipe("tiny"))] == [("heldout", "exact")]

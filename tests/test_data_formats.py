@@ -7,9 +7,9 @@ import copy
 import pytest
 
 from zerotune.data.formats import to_messages
-from zerotune.data.sources import BadSample
 from zerotune.data.tokenize import (IGNORE, ChatRenderer, TemplateError, encode_batch, encode_chat, encode_text,
                                     require_chat_template)
+from zerotune.errors import BadSample
 
 BOS, SH, EH, EOT, NL2 = 128000, 128006, 128007, 128009, 271  # <|begin_of_text|> <|start_header_id|> ... "\n\n"
 ROLE_IDS = {"system": [9125], "user": [882], "assistant": [78191]}

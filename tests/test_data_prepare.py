@@ -10,10 +10,12 @@ import pytest
 
 from zerotune.config import from_dict
 from zerotune.data import prepare as prep
-from zerotune.data.prepare import StaleDataError, prepare, require_prepared
-from zerotune.layout import layout
-from zerotune.data.sources import BadSample, SourceError
+from zerotune.data.cache import StaleDataError, require_prepared
+from zerotune.data.prepare import prepare
+from zerotune.data.sources import SourceError
 from zerotune.data.tokenize import IGNORE, TemplateError, encode_chat
+from zerotune.errors import BadSample
+from zerotune.layout import layout
 
 WORDS = "red blue green cat dog bird tree river stone cloud light sound".split()
 

@@ -12,14 +12,14 @@ import pytest
 from conftest import REPO
 from zerotune.config import RecipeError, from_dict
 from zerotune.data.formats import read_row
-from zerotune.data.sources import BadSample
 from zerotune.data.tokenize import IGNORE, ChatRenderer, encode_chat
+from zerotune.errors import BadSample
 
 SMOLLM2 = REPO / "assets" / "models" / "smollm2-135m-instruct"
 
 # SmolLM2's ChatML with tools, tool calls and tool replies (the layout Qwen2.5's template uses), and
-# {% generation %} around what an assistant turn generates. Neither shipped template has generation markers or
-# renders tools (the Llama-3.1 tokenizer's is Llama-3's plain one), so the reference is built here.
+# {% generation %} around what an assistant turn generates. No shipped template has generation markers (and only
+# Qwen3's renders tools: SHIPPED below), so the reference is built here.
 CHATML_TOOLS = """\
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -264,3 +264,75 @@ def test_recipe_columns_roles_and_tools_are_checked_at_load(tmp_path):
     src = load({"format": "sharegpt", "roles": {"bot": "assistant"}, "tools": [WEATHER["function"]],
                 "columns": {"messages": "dialog", "role": "speaker"}}).data.sources[0]
     assert src.tools == [WEATHER] and src.roles == {"bot": "assistant"}
+
+
+# What each shipped template does with tools, tool calls and tool replies (ChatRenderer.tool_support): Qwen3's
+# renders all three (a tool-call turn given a content string); Llama-3's plain template (the Llama-3.1 tokenizer's)
+# and SmolLM2's ChatML print every message's role and content, so a tool reply is one more role and tools and
+# calls vanish; Gemma 3's has no tool role at all and refuses a turn that is neither user nor model.
+SHIPPED = {
+    "assets/tokenizer/qwen3": {"tools": None, "tool calls": None, "tool replies": None},
+    "assets/tokenizer/llama3_1": {"tools": "its text leaves them out", "tool calls": "its text leaves them out",
+                                  "tool replies": None},
+    "assets/models/smollm2-135m-instruct": {"tools": "its text leaves them out",
+                                            "tool calls": "its text leaves them out", "tool replies": None},
+    "assets/tokenizer/gemma3": {"tools": "its text leaves them out", "tool calls": "its text leaves them out",
+                                "tool replies": "it raised TemplateError: Conversation roles must alternate "
+                                                "user/assistant/user/assistant/..."},
+}
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_tool_calls_reach_each_shipped_template_in_the_form_it_accepts(name):
+    """OpenAI's tool-call turn (content null) made Qwen3's template raise (it reads `.content` on every assistant
+    turn), and the error then blamed the template for not rendering tool calls. Each shipped template now gets the
+    form it accepts: where it renders tools, the conversation renders as apply_chat_template renders that form and
+    its labels are exactly the assistant turns, less the weight-0 one; where it does not, the one-line refusal
+    says what the template does instead."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(REPO / name))
+    render = ChatRenderer(tok, name)
+    assert render.tool_support() == SHIPPED[name]
+    doc = read_row(OPENAI_ROW, "messages", {}, "t")
+    if name != "assets/tokenizer/qwen3":
+        feature = next(f for f, why in SHIPPED[name].items() if why)
+        with pytest.raises(BadSample) as e:
+            encode_chat(tok, doc.conv, "all_assistant", "data/t.jsonl line 9", render=render, tools=doc.tools)
+        assert str(e.value).startswith(f"data/t.jsonl line 9: this conversation has {feature}, but the chat template "
+                                       f"of {name} does not render them ({SHIPPED[name][feature]}), so they cannot "
+                                       f"be trained. Fix: set model.tokenizer to")
+        return
+    ids, labels = encode_chat(tok, doc.conv, "all_assistant", "t", render=render, tools=doc.tools)
+    given = render.in_form(doc.conv)
+    assert given[2] == {**doc.conv[2], "content": ""} and given[4] is doc.conv[4]  # the call turn alone changes
+    assert ids == list(tok.apply_chat_template(given, tools=doc.tools, tokenize=True, return_dict=True)["input_ids"])
+    turns = [tok.decode(labels[a:b]) for a, b in runs([x != IGNORE for x in labels])]
+    assert turns == ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
+                     "It is 21 degrees in Paris.<|im_end|>\n"]  # "You're welcome." has weight 0
+    # the same row as ShareGPT, and the call as the last turn (rendered in Qwen3's last-turn form, with its empty
+    # thinking block): the same labels, the call trained
+    sharegpt = read_row(SHAREGPT_ROW, "sharegpt", {}, "t")
+    assert encode_chat(tok, sharegpt.conv, "all_assistant", "t", render=render, tools=sharegpt.tools) == (ids, labels)
+    ids, labels = encode_chat(tok, doc.conv[:3], "all_assistant", "t", render=render, tools=doc.tools)
+    assert [tok.decode(labels[a:b]) for a, b in runs([x != IGNORE for x in labels])] == [
+        '<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        '<|im_end|>\n']
+
+
+def test_a_template_that_prints_arguments_as_they_come_gets_them_as_json_text(smol):
+    """Templates that print a call's arguments without `tojson` expect OpenAI's JSON text; given the object they
+    would train a Python dict ({'city': 'Paris'})."""
+    tok = copy.deepcopy(smol)
+    tok.chat_template = CHATML_TOOLS.replace("({'name': call.function.name, 'arguments': call.function.arguments} "
+                                             "| tojson)", "'{\"name\": \"' + call.function.name + '\", "
+                                                          "\"arguments\": ' ~ call.function.arguments ~ '}'")
+    assert tok.chat_template != CHATML_TOOLS
+    render = ChatRenderer(tok)
+    assert render.tool_support() == {"tools": None, "tool calls": None, "tool replies": None}
+    doc = read_row(OPENAI_ROW, "messages", {}, "t")
+    given = render.in_form(doc.conv)
+    assert given[2]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+    ids, labels = encode_chat(tok, doc.conv, "all_assistant", "t", render=render, tools=doc.tools)
+    assert ids == template_mask(tok, given, doc.tools)[0]
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in labelled(tok, labels)

@@ -140,3 +140,18 @@ def test_every_linked_file_and_named_path_exists(doc):
                     and not _ignored(word):  # made by a command (bench/work/, runs/): not in a clone
                 missing.append(f"path {word}")
     assert not missing, f"{doc.relative_to(REPO)}: " + ", ".join(sorted(set(missing)))
+
+
+def test_docs_data_shows_a_row_of_every_format_that_reads_as_that_format():
+    """docs/data.md's Formats table against data/formats.py's FORMATS: a row of every format and of no other, and
+    each example reads as its format with no key ignored (a renamed field or a new format shows up here)."""
+    import json
+
+    from zerotune.data.formats import FORMATS, read_row
+
+    section = (REPO / "docs" / "data.md").read_text().split("\n## Formats", 1)[1].split("\n## ", 1)[0]
+    shown = re.findall(r"^\| `(\w+)`[^|]*\| `([^`]+)`", section, re.M)
+    assert {name for name, _ in shown} == set(FORMATS), f"docs/data.md shows {sorted({n for n, _ in shown})}"
+    for name, row in shown:
+        notes = read_row(json.loads(row), name, {}, f"docs/data.md ({name})").notes or {}
+        assert not [k for k in notes if k.startswith(("row:", "message:"))], (name, notes)

@@ -55,13 +55,15 @@ def test_recipe_scorer_names_come_from_the_scorers_table():
 def test_leakage_keys_are_checked_at_load_and_explained():
     from zerotune.config import RecipeError, explain, load_recipe
 
-    es = load_recipe("tiny", ["eval.sets=[{name: t, path: a.jsonl}, {name: r, path: b.jsonl, forbid: '^\\s*\\{', "
-                              "max_leakage: 0}]"]).eval.sets[1]
+    es = load_recipe("tiny", ["data.heldout=null", "eval.sets=[{name: t, path: a.jsonl}, {name: r, path: b.jsonl, "
+                              "forbid: '^\\s*\\{', max_leakage: 0}]"]).eval.sets[1]
     assert (es.forbid, es.max_leakage) == (r"^\s*\{", 0.0)
     with pytest.raises(RecipeError, match=r"eval.sets\[1\]: .*max_leakage in \[0, 1\]"):
-        load_recipe("tiny", ["eval.sets=[{name: t, path: a.jsonl}, {name: r, path: b.jsonl, max_leakage: 1.5}]"])
+        load_recipe("tiny", ["data.heldout=null",
+                             "eval.sets=[{name: t, path: a.jsonl}, {name: r, path: b.jsonl, max_leakage: 1.5}]"])
     with pytest.raises(RecipeError, match=r"eval.sets\[1\].forbid: '\(' is not a regular expression"):
-        load_recipe("tiny", ["eval.sets=[{name: t, path: a.jsonl}, {name: r, path: b.jsonl, forbid: '('}]"])
+        load_recipe("tiny", ["data.heldout=null",
+                             "eval.sets=[{name: t, path: a.jsonl}, {name: r, path: b.jsonl, forbid: '('}]"])
     assert "    - forbid: None" in explain() and "    - max_leakage: None" in explain()
 
 
@@ -151,7 +153,7 @@ def _fake_scored(tmp_path: Path, leakage: dict) -> tuple[list[str], dict]:
     scored = {"models": {}, "sets": {"task": {m: {**one, "score": 1.0, "leakage": None} for m in leakage},
                                      "retention": {m: {**one, "score": 1.0 - v, "leakage": v}
                                                    for m, v in leakage.items()}}}
-    return [f"output_dir={tmp_path / 'run'}", sets], scored
+    return [f"output_dir={tmp_path / 'run'}", "data.heldout=null", sets], scored
 
 
 @pytest.mark.parametrize("gguf_leak,code", [(0.5, 0), (0.75, 1)])
@@ -183,7 +185,7 @@ def test_eval_base_hf_gguf_side_by_side_and_lm_eval(tiny_eval_run, tmp_path):
     sets = (f"eval.sets=[{{name: format, path: {fmt}, scorer: regex, pattern: '^(You said):', max_new_tokens: 12,"
             f" max_drop: 0.0}}, {{name: task, path: data/tiny/heldout.jsonl, scorer: exact, max_new_tokens: 12,"
             f" limit: 30}}]")
-    proc = _eval(out, sets, "eval.lm_eval_tasks=[zerotune_heldout]")
+    proc = _eval(out, "data.heldout=null", sets, "eval.lm_eval_tasks=[zerotune_heldout]")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "eval" / "eval.json").read_text())
     table = {t["set"]: t for t in res["table"]}
@@ -211,7 +213,7 @@ def test_max_drop_fails_the_stage(tiny_eval_run, tmp_path):
     'You said', group 1 matches the empty answer); max_drop 0 must fail eval with exit 1 and name the set."""
     out, _ = tiny_eval_run
     fmt = _format_set(tmp_path, answer="")
-    proc = _eval(out, f"eval.sets=[{{name: retention, path: {fmt}, scorer: regex, pattern: '^(?!You said)()',"
-                      f" max_new_tokens: 4, max_drop: 0.0, limit: 10}}]")
+    proc = _eval(out, "data.heldout=null", f"eval.sets=[{{name: retention, path: {fmt}, scorer: regex, "
+                      f"pattern: '^(?!You said)()', max_new_tokens: 4, max_drop: 0.0, limit: 10}}]")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FAIL retention: fine-tuned HF" in proc.stdout

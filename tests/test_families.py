@@ -15,8 +15,8 @@ import pytest
 
 from conftest import REPO
 from zerotune import families, hardware
-from zerotune.data.sources import BadSample
 from zerotune.data.tokenize import IGNORE, encode_chat
+from zerotune.errors import BadSample
 from zerotune.families import FAMILIES
 
 TINY = {"llama": "tiny_llama31", "qwen3": "tiny_qwen3", "gemma3": "tiny_gemma3"}

@@ -10,7 +10,8 @@ import pytest
 
 from zerotune.config import EvalSetCfg, RecipeError, explain, from_dict, load_recipe
 from zerotune.data import replay as rp
-from zerotune.data.prepare import StaleDataError, prepare, require_prepared
+from zerotune.data.cache import StaleDataError, require_prepared
+from zerotune.data.prepare import prepare
 from zerotune.layout import layout
 
 REPO = Path(__file__).resolve().parents[1]

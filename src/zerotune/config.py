@@ -20,6 +20,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from .data.formats import FORMATS, ROLE_TARGETS, tool_definitions
 from .errors import UserError
 from .hardware import GPUS
 from .quant_types import QUANT_TYPES
@@ -47,56 +48,21 @@ class ModelCfg:
     init_seed: int = _f(1234, "Seed for random initialisation from init_config")
 
 
-# The names `columns` may map, per source format (data/formats.py reads rows and messages by them). Chat formats
-# also map message keys: `role` and `content`.
-COLUMN_NAMES = {
-    "messages": ("messages", "system", "tools", "role", "content"),
-    "sharegpt": ("messages", "system", "tools", "role", "content"),
-    "instruction": ("instruction", "input", "output", "system", "tools"),
-    "prompt_completion": ("prompt", "completion", "system", "tools"),
-    "text": ("text",),
-}
-# What `roles` may map a data set's role names onto; tool_call = an assistant turn whose text is a tool call
-ROLE_TARGETS = ("system", "user", "assistant", "tool", "tool_call")
-
-
-def tool_definitions(value, what: str = "tools") -> list | None:
-    """Tool definitions as chat templates take them: OpenAI's [{type: function, function: {name, ...}}], for a
-    source (data.sources[i].tools) and for a row's own (data/formats.py). Bare {name, description, parameters}
-    items (LLaMA-Factory, glaive) are wrapped into that form; JSON text is parsed; an empty list, "" or null is no
-    tools. Raises ValueError(reason, fix)."""
-    if isinstance(value, str) and value.strip():
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"'{what}' holds malformed JSON ({e.msg} at column {e.colno}).",
-                             "repair the JSON in that field.") from None
-    if value is None or value == "" or value == []:
-        return None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise ValueError(f"'{what}' must be a list of tool definitions, got {type(value).__name__}.",
-                         "use OpenAI's form: [{\"type\": \"function\", \"function\": {\"name\": ..., "
-                         "\"parameters\": {...}}}].")
-    out = []
-    for k, t in enumerate(value):
-        t = t if "function" in t else {"type": "function", "function": t}
-        if not isinstance(t["function"], dict) or not isinstance(t["function"].get("name"), str):
-            raise ValueError(f"'{what}' item {k} has no function name.",
-                             "each tool needs {\"type\": \"function\", \"function\": {\"name\": ...}}.")
-        out.append(t)
-    return out
+# One table of data formats: data/formats.py
+FormatName = Literal[tuple(FORMATS)]
+_MESSAGE_FORMATS = " or ".join(f.name for f in FORMATS.values() if f.message_keys)  # rows that hold a message list
 
 
 @dataclass
 class SourceCfg:
     path: str = _f("", "Local file (.jsonl/.json/.parquet/.csv) or hub dataset id")
-    format: Literal["messages", "sharegpt", "instruction", "prompt_completion", "text"] = _f("messages", "Row format (docs/data.md): messages = OpenAI chat (weights, tools), sharegpt = {conversations: [{from, value}]}")
+    format: FormatName = _f("messages", "Row format (docs/data.md): " + "; ".join(f"{f.name} = {f.what}" for f in FORMATS.values()))
     weight: float = _f(1.0, "Mixture weight: fraction of this source's rows to use (>1 repeats rows)")
     split: str = _f("train", "Split, for hub datasets")
     name: Optional[str] = _f(None, "Config name, for hub datasets")
     revision: Optional[str] = _f(None, "Revision, for hub datasets")
-    columns: dict = _f({}, "Your names for our fields, per format (row fields, and message keys role/content for chat formats), e.g. {messages: conversations, role: from, content: value}")
-    roles: dict = _f({}, "Chat formats: your role names -> ours (" + ", ".join(ROLE_TARGETS) + "; tool_call = an assistant tool call), over ShareGPT's usual names for format sharegpt, e.g. {bot: assistant}")
+    columns: dict = _f({}, "Your names for our fields, per format (row fields, and message keys role/content for " + _MESSAGE_FORMATS + "), e.g. {messages: conversations, role: from, content: value}")
+    roles: dict = _f({}, "Formats " + _MESSAGE_FORMATS + ": your role names -> ours (" + ", ".join(ROLE_TARGETS) + "; tool_call = an assistant tool call), over ShareGPT's usual names for format sharegpt, e.g. {bot: assistant}")
     tools: Optional[list] = _f(None, "Chat formats: tool definitions ([{type: function, function: {name, description, parameters}}]) rendered into every conversation of this source that has no 'tools' of its own; null = rows' own only")
 
 
@@ -111,7 +77,7 @@ class ReplayCfg:
 @dataclass
 class DataCfg:
     sources: list = _f([], "List of sources (see SourceCfg)")
-    heldout: Optional[str] = _f(None, "JSONL of held-out chat prompts with reference answers, used by check")
+    heldout: Optional[str] = _f(None, "JSONL of held-out chat prompts with reference answers, scored exact by check and eval: the short form of one eval set (set one of the two, not both)")
     seq_len: int = _f(2048, "Tokens per packed sequence (or max length unpacked)")
     packing: bool = _f(True, "Pack documents into seq_len bins (best-fit decreasing); False = one row per document, length-grouped batches padded per batch")
     loss_on: Literal["all_assistant", "last_assistant"] = _f("all_assistant", "Which assistant turns carry loss")
@@ -201,7 +167,7 @@ class EvalSetCfg:
 
 @dataclass
 class EvalCfg:
-    sets: list = _f([], "Held-out sets scored by `zerotune eval` (base vs fine-tuned HF vs GGUF), see EvalSetCfg; empty = data.heldout scored exact")
+    sets: list = _f([], "Held-out sets scored by check and `zerotune eval` (base vs fine-tuned HF vs GGUF), see EvalSetCfg; empty = data.heldout scored exact (set one of the two, not both)")
     samples: int = _f(4, "Held-out prompts (first set) answered greedily at each in-training evaluation; 0 = none")
     batch_size: int = _f(8, "Prompts the HF models answer per generate() call in check, eval and data.replay (left-padded; the same greedy answers as one at a time)")
     lm_eval_tasks: list = _f([], "lm-evaluation-harness tasks run by `zerotune eval`; zerotune_heldout = the local task built from the first set")
@@ -341,18 +307,20 @@ def _build_source(raw: Any, where: str) -> SourceCfg:
     src = _build(SourceCfg, raw, where)
     if not src.path:
         raise RecipeError(f"{where}.path: every data source needs a path or hub id.")
-    names = COLUMN_NAMES[src.format]
+    fmt = FORMATS[src.format]
+    names = fmt.columns
     for key, col in src.columns.items():  # a mistyped name would otherwise be ignored and the field read unmapped
         if key not in names or not isinstance(col, str):
             raise RecipeError(f"{where}.columns: {key!r}: {col!r} is not a mapping of one of format {src.format}'s "
                               f"fields {list(names)} to your column name.{_suggest(str(key), names)}")
-    chat = src.format in ("messages", "sharegpt")
-    if src.roles and (not chat or not all(isinstance(k, str) and v in ROLE_TARGETS for k, v in src.roles.items())):
-        raise RecipeError(f"{where}.roles: {src.roles!r}: for format messages or sharegpt only, each of your role "
+    if src.roles and (not fmt.message_keys
+                      or not all(isinstance(k, str) and v in ROLE_TARGETS for k, v in src.roles.items())):
+        raise RecipeError(f"{where}.roles: {src.roles!r}: for format {_MESSAGE_FORMATS} only, each of your role "
                           f"names mapped to one of {list(ROLE_TARGETS)}, e.g. {{bot: assistant}}.")
     if src.tools is not None:
-        if src.format == "text":
-            raise RecipeError(f"{where}.tools: format text renders no chat template, so it has no tools; remove it.")
+        if not fmt.chat:
+            raise RecipeError(f"{where}.tools: format {src.format} renders no chat template, so it has no tools; "
+                              f"remove it.")
         try:
             src.tools = tool_definitions(src.tools)
         except ValueError as e:
@@ -463,6 +431,12 @@ def _validate(r: Recipe, where: str) -> None:
         raise RecipeError(f"{where}: eval.batch_size={r.eval.batch_size}: must be at least 1 (prompts per generate call).")
     if len({s.name for s in r.eval.sets}) != len(r.eval.sets):
         raise RecipeError(f"{where}: eval.sets names must be unique.")
+    if r.data.heldout and r.eval.sets:
+        # held-out prompts are declared one way: data.heldout is the short form of a single exact-scored set, and
+        # eval.sets, once set, is what every stage scores (answering.eval_sets), so the other would be ignored
+        raise RecipeError(f"{where}: data.heldout ({r.data.heldout}) and eval.sets are both set, and only eval.sets "
+                          f"is scored: list it in eval.sets ({{name: heldout, path: {r.data.heldout}, scorer: "
+                          f"exact}}) and set data.heldout: null, or set data.heldout alone.")
     if r.peft.method != "none":
         if r.peft.r <= 0 or r.peft.alpha <= 0 or not 0 <= r.peft.dropout < 1:
             raise RecipeError(f"{where}: peft.r and peft.alpha must be positive and peft.dropout in [0, 1).")

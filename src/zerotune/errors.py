@@ -33,6 +33,18 @@ class MissingInputError(UserError, FileNotFoundError):
     """A file a stage needs is missing: an earlier stage was not run, or `make setup` was not."""
 
 
+class BadSample(UserError, ValueError):
+    """One data row is unusable (data/sources.py reading it, data/formats.py reading its fields, data/tokenize.py
+    rendering it); `where` names the file and line or row, `fix` says what to do."""
+
+    def __init__(self, where: str, reason: str, fix: str = ""):
+        self.where, self.reason, self.fix = where, reason, fix
+        super().__init__(f"{where}: {reason}" + (f" Fix: {fix}" if fix else ""))
+
+    def __reduce__(self):  # picklable across worker processes
+        return (BadSample, (self.where, self.reason, self.fix))
+
+
 def debug() -> bool:
     return os.environ.get("ZEROTUNE_DEBUG", "") not in ("", "0")
 

@@ -262,7 +262,7 @@ class EvalDuringTraining(TrainerCallback):
 
 def _sample_prompts(r: Recipe):
     """(rows, eval set, tokenizer, stop ids) for the in-training samples: the first eval set's first rows."""
-    from .data.prepare import load_tokenizer
+    from .data.cache import load_tokenizer
     from .answering import eval_sets, load_rows
     from .gguf_checks import hf_end_tokens
     from .weights import local_folder

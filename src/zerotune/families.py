@@ -101,7 +101,9 @@ FAMILIES: dict[str, Family] = {
                  "passes. zerotune trains the template as shipped (thinking on): the last turn's labels include "
                  "the empty block, so the model learns to skip thinking and HF and the GGUF see the same prompt "
                  "(data/tokenize.py locates earlier turns in their history form); answers are scored after the "
-                 "block (answer_text)",
+                 "block (answer_text). Renders tools, tool calls and tool replies, but reads the content of every "
+                 "assistant turn: a tool-call turn gets content '' (OpenAI's null fails it; data/tokenize.py "
+                 "CALL_FORMS)",
         fp16=None,
         fp16_note="allowed with loss scaling; Qwen's maintainers: trained in bf16, fp16 may overflow, use bf16 or "
                   "fp32 if inf/NaN appear (QwenLM/Qwen3 #670, #868, both on V100); unsloth-zoo PR #866 found the "
@@ -124,7 +126,8 @@ FAMILIES: dict[str, Family] = {
         end_of_turn="<end_of_turn>",
         template="no system role: the template folds a system message into the first user turn (system text + "
                  "'\\n\\n' + user text, unlabelled) and raises on roles that do not alternate user/assistant (a "
-                 "bad row, named); renders no tools; the template writes <bos> itself",
+                 "bad row, named); renders no tools or tool calls and has no tool role (such rows are refused, "
+                 "saying so); the template writes <bos> itself",
         fp16="Gemma 3 overflows in fp16: activations exceed fp16's 65,504 (unsloth: up to ~800k in gemma3_text, "
              "unsloth PR #4014; 'gradients and activations become infinity' on T4/V100, unsloth.ai/blog/gemma3); "
              "transformers #36822 (fp16 output empty, NaN activations), its clamping fixes #36831/#36832 were "

@@ -298,13 +298,15 @@ def gguf_chat_prompt(llm, messages: list[dict], tools: list | None = None) -> li
 
 def tool_probe(tok) -> tuple[list, list | None, str]:
     """The part of PROBE_TOOL_CHAT the HF template renders (data/tokenize.py's probes decide, as in training):
-    (messages, tools, what is compared); no messages when it renders none of it."""
+    (messages, in the form training gives the template, tools, what is compared); no messages when it renders none
+    of it."""
     from .data.tokenize import ChatRenderer
 
-    support = ChatRenderer(tok).tool_support()
+    render = ChatRenderer(tok)
+    support = render.tool_support()
     tools = PROBE_TOOLS if support["tools"] is None else None
     calls = support["tool calls"] is None and support["tool replies"] is None
-    msgs = PROBE_TOOL_CHAT if calls else (PROBE_TOOL_CHAT[:1] if tools else [])
+    msgs = render.in_form(PROBE_TOOL_CHAT) if calls else (PROBE_TOOL_CHAT[:1] if tools else [])
     done = [f for f, ok in (("tools", tools), ("a tool call and its reply", calls)) if ok]
     missing = [f for f, why in support.items() if why is not None]
     what = " and ".join(done) or "none"

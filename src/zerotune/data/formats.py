@@ -1,17 +1,23 @@
-"""Turn a row of any supported format into a conversation (or raw text), validated, with every key accounted for.
+"""Data formats, in one table (`FORMATS`), and how a row of each becomes a conversation (or raw text), validated,
+with every key accounted for.
 
-Formats (docs/data.md has one example row of each):
-- `messages`: OpenAI's chat fine-tuning format. `{"messages": [{"role", "content"}, ...], "tools": [...]}` with
-  system/user/assistant/tool turns, assistant `tool_calls` (content null), tool replies (`tool_call_id`), and
-  `"weight": 0|1` on assistant turns (0 = no loss). Rows whose messages are ShareGPT-shaped ({from, value}) are
-  read as `sharegpt` and counted, so prepare can say what it detected.
-- `sharegpt`: `{"conversations": [{"from", "value"}, ...]}` with ShareGPT's role names (SHAREGPT_ROLES), an
-  optional row `system` and `tools` (LLaMA-Factory's layout: a `function_call` turn's value is the call as JSON,
-  an `observation` turn is the tool's reply).
-- `instruction` (instruction/input/output), `prompt_completion` (prompt/completion), both with optional `system`
-  and `tools`; `text` (continued pretraining).
-`columns` maps a data set's names onto ours (row fields and, for chat formats, the message keys `role` and
-`content`); `roles` maps its role names onto ours (config.ROLE_TARGETS).
+`FORMATS` holds one `Format` per name: what it is, the row fields it reads (required and optional), the names
+public data sets use for them, whether it is rendered by the chat template, the message keys and role names of
+the formats whose rows hold a message list, and the function that reads a row. Every reader of formats derives
+from it:
+- config.py: the recipe's `data.sources[i].format` names (the schema's Literal, did-you-mean), the names its
+  `columns` may map, which formats take `roles` and `tools`, the help `zerotune explain` prints;
+- data/prepare.py and data/tokenize.py: which sources need a chat template, and the error that says so;
+- this module's `read_row`: which fields a row must have, what to suggest when one is missing;
+- tests/test_docs.py: docs/data.md shows one row of every format.
+
+What the readers honour (the same for every chat format): OpenAI's chat fine-tuning format, all of it:
+system/user/assistant/tool turns, assistant `tool_calls` (content null), tool replies (`tool_call_id`), and
+`"weight": 0|1` on assistant turns (0 = no loss). Rows of format `messages` whose messages are ShareGPT-shaped
+({from, value}) are read as `sharegpt` and counted, so prepare can say what it detected. ShareGPT's
+function_call/observation turns (LLaMA-Factory's layout: a call's value is the call as JSON) are tool calls and
+tool replies. `columns` maps a data set's names onto ours (row fields and, for message-list formats, the
+message keys `role` and `content`); `roles` maps its role names onto ours (ROLE_TARGETS).
 
 Nothing is dropped silently. Every key of a row or message is honoured, refused (BadSample: file, line, fix),
 or reported back as ignored in `Doc.notes`, which prepare counts per source in the manifest and the log. A null
@@ -25,31 +31,13 @@ from __future__ import annotations
 import difflib
 import json
 from dataclasses import dataclass
+from typing import Callable
 
-from ..config import tool_definitions
-from .sources import BadSample
+from ..errors import BadSample
 
 ROLES = {"system", "user", "assistant", "tool"}
-FIELDS = {
-    "messages": ["messages"],
-    "sharegpt": ["messages"],
-    "instruction": ["instruction", "input", "output"],
-    "prompt_completion": ["prompt", "completion"],
-    "text": ["text"],
-}
-OPTIONAL = {"input", "system", "tools"}
-CHAT_COLUMNS = {  # the row and message names each chat format reads when `columns` does not rename them
-    "messages": {"messages": "messages", "role": "role", "content": "content"},
-    "sharegpt": {"messages": "conversations", "role": "from", "content": "value"},
-}
-SYNONYMS = {  # common names for a field in public data sets, tried when the field is missing
-    "messages": ["conversations", "conversation", "messages", "dialog", "chat", "turns"],
-    "instruction": ["instruction", "question", "prompt", "query", "task"],
-    "output": ["output", "response", "answer", "completion", "target", "chosen"],
-    "prompt": ["prompt", "question", "query", "instruction", "input"],
-    "completion": ["completion", "response", "answer", "output", "target", "chosen"],
-    "text": ["text", "content", "document", "body"],
-}
+# What `roles` may map a data set's role names onto; tool_call = an assistant turn whose text is a tool call
+ROLE_TARGETS = ("system", "user", "assistant", "tool", "tool_call")
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 # ShareGPT's role names as the public sets spell them (and LLaMA-Factory's function_call/observation turns)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
@@ -65,6 +53,24 @@ NOT_READ = {
 }
 
 
+@dataclass(frozen=True)
+class Format:
+    name: str
+    what: str                         # one line: the recipe's help text (`zerotune explain`)
+    fields: tuple[str, ...]           # the row fields it reads, in the order docs/data.md shows them
+    optional: tuple[str, ...]         # those of them a row may leave out (or null)
+    aliases: dict                     # field -> names public data sets give it, suggested when it is missing
+    chat: bool                        # rendered by the chat template; False: the text alone, between BOS and EOS
+    read: Callable                    # (row, format, columns, where, roles, notes) -> (conversation | text, keys read)
+    message_keys: dict | None = None  # a row holding a message list: its field and message keys, as the data names them
+    roles: dict | None = None         # and its role names -> ours
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The names `data.sources[i].columns` may map: the row fields, then the message keys."""
+        return self.fields + (("role", "content") if self.message_keys else ())
+
+
 @dataclass
 class Doc:
     """One row, read: chat messages (or the text, for format text), the tools its template renders, and what
@@ -74,20 +80,20 @@ class Doc:
     notes: dict | None = None
 
 
-def _get(row: dict, name: str, columns: dict, where: str, fmt: str):
+def _get(row: dict, name: str, columns: dict, where: str, fmt: Format):
     col = columns.get(name, name)
     if col not in row or row[col] is None:
-        if name in OPTIONAL:
+        if name in fmt.optional:
             return None
         present = sorted(str(k) for k in row)
-        used = {columns.get(f, f) for f in FIELDS.get(fmt, [])} - {col}
+        used = {columns.get(f, f) for f in fmt.fields} - {col}
         free = [p for p in present if p not in used]
-        close = [s for s in SYNONYMS.get(name, []) if s in free][:1] or difflib.get_close_matches(col, free, n=1, cutoff=0.6)
+        close = [s for s in fmt.aliases.get(name, ()) if s in free][:1] or difflib.get_close_matches(col, free, n=1, cutoff=0.6)
         guess = close[0] if close else "<your column>"
         hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise BadSample(where, f"missing field '{col}' for format '{fmt}' (fields present: {', '.join(present) or 'none'}).{hint}",
+        raise BadSample(where, f"missing field '{col}' for format '{fmt.name}' (fields present: {', '.join(present) or 'none'}).{hint}",
                         f"map it in the recipe: data.sources[i].columns: {{{name}: {guess}}}, "
-                        f"or pick the right format (one of {sorted(FIELDS)}).")
+                        f"or pick the right format (one of {sorted(FORMATS)}).")
     return row[col]
 
 
@@ -111,15 +117,42 @@ def _json_cell(value, where: str, what: str):
     return value
 
 
-def _system(row: dict, columns: dict, where: str, fmt: str) -> list[dict]:
+def _system(row: dict, columns: dict, where: str, fmt: Format) -> list[dict]:
     s = _get(row, "system", columns, where, fmt)
     if s is not None and not isinstance(s, str):
         raise BadSample(where, f"'system' must be a string, got {type(s).__name__}.")
     return [{"role": "system", "content": s}] if isinstance(s, str) and s.strip() else []
 
 
+def tool_definitions(value, what: str = "tools") -> list | None:
+    """Tool definitions as chat templates take them: OpenAI's [{type: function, function: {name, ...}}], for a
+    source (data.sources[i].tools, checked by config.py at load) and for a row's own. Bare {name, description,
+    parameters} items (LLaMA-Factory, glaive) are wrapped into that form; JSON text is parsed; an empty list, ""
+    or null is no tools. Raises ValueError(reason, fix)."""
+    if isinstance(value, str) and value.strip():
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"'{what}' holds malformed JSON ({e.msg} at column {e.colno}).",
+                             "repair the JSON in that field.") from None
+    if value is None or value == "" or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ValueError(f"'{what}' must be a list of tool definitions, got {type(value).__name__}.",
+                         "use OpenAI's form: [{\"type\": \"function\", \"function\": {\"name\": ..., "
+                         "\"parameters\": {...}}}].")
+    out = []
+    for k, t in enumerate(value):
+        t = t if "function" in t else {"type": "function", "function": t}
+        if not isinstance(t["function"], dict) or not isinstance(t["function"].get("name"), str):
+            raise ValueError(f"'{what}' item {k} has no function name.",
+                             "each tool needs {\"type\": \"function\", \"function\": {\"name\": ...}}.")
+        out.append(t)
+    return out
+
+
 def normalize_tools(value, where: str, what: str = "tools") -> list | None:
-    """A row's tools, as config.tool_definitions reads a source's: in OpenAI's form, or None."""
+    """A row's tools, as tool_definitions reads a source's: in OpenAI's form, or None."""
     try:
         return tool_definitions(value, what)
     except ValueError as e:
@@ -269,22 +302,21 @@ def _sharegpt_shaped(msgs, role_key: str) -> bool:
             and "from" in msgs[0] and "value" in msgs[0])
 
 
-def _chat(row: dict, fmt: str, columns: dict, where: str, roles: dict, notes: dict) -> tuple[list[dict], set]:
-    cols = {**CHAT_COLUMNS[fmt], **columns}
-    if fmt == "messages" and cols["messages"] not in row and "messages" not in columns \
+def _read_chat(row: dict, fmt: Format, columns: dict, where: str, roles: dict, notes: dict) -> tuple[list[dict], set]:
+    cols = {**fmt.message_keys, **columns}
+    if fmt.name == "messages" and cols["messages"] not in row and "messages" not in columns \
             and _sharegpt_shaped(row.get("conversations"), cols["role"]):
         cols["messages"] = "conversations"  # the usual ShareGPT row under the default format: detected below
     msgs = _json_cell(_get(row, "messages", cols, where, fmt), where, cols["messages"])
     if not isinstance(msgs, list) or not msgs:
         raise BadSample(where, f"'{cols['messages']}' must be a non-empty list of messages.")
-    if fmt == "messages" and _sharegpt_shaped(msgs, cols["role"]):
+    if fmt.name == "messages" and _sharegpt_shaped(msgs, cols["role"]):
         # {from, value} messages: ShareGPT under format messages. Read as such and counted; prepare says so.
-        fmt = "sharegpt"
-        cols = {**CHAT_COLUMNS["sharegpt"], **{k: v for k, v in columns.items() if k != "messages"},
+        fmt = FORMATS["sharegpt"]
+        cols = {**fmt.message_keys, **{k: v for k, v in columns.items() if k != "messages"},
                 "messages": cols["messages"]}
         _count(notes, "detected_sharegpt")
-    role_map = {**(SHAREGPT_ROLES if fmt == "sharegpt" else _OUR_ROLES), **roles}
-    out = validate_messages(msgs, where, cols["role"], cols["content"], role_map, notes)
+    out = validate_messages(msgs, where, cols["role"], cols["content"], {**fmt.roles, **roles}, notes)
     system = _system(row, cols, where, fmt)
     if system and out[0]["role"] == "system":
         raise BadSample(where, f"the row has both a '{cols.get('system', 'system')}' field and a system message.",
@@ -292,33 +324,70 @@ def _chat(row: dict, fmt: str, columns: dict, where: str, roles: dict, notes: di
     return system + out, {cols["messages"], cols.get("system", "system"), cols.get("tools", "tools")}
 
 
+def _named(fmt: Format, columns: dict) -> set:
+    """The row keys a format's fields are read from."""
+    return {columns.get(k, k) for k in fmt.fields}
+
+
+def _read_instruction(row: dict, fmt: Format, columns: dict, where: str, roles: dict, notes: dict):
+    instr = _text(_get(row, "instruction", columns, where, fmt), where, "instruction")
+    extra = _get(row, "input", columns, where, fmt)
+    if extra is not None and not isinstance(extra, str):
+        raise BadSample(where, f"input must be a string, got {type(extra).__name__}.")
+    user = f"{instr}\n\n{extra}" if extra and extra.strip() else instr
+    conv = validate_messages(_system(row, columns, where, fmt) + [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": _get(row, "output", columns, where, fmt)}], where)
+    return conv, _named(fmt, columns)
+
+
+def _read_prompt_completion(row: dict, fmt: Format, columns: dict, where: str, roles: dict, notes: dict):
+    conv = validate_messages(_system(row, columns, where, fmt) + [
+        {"role": "user", "content": _get(row, "prompt", columns, where, fmt)},
+        {"role": "assistant", "content": _get(row, "completion", columns, where, fmt)}], where)
+    return conv, _named(fmt, columns)
+
+
+def _read_text(row: dict, fmt: Format, columns: dict, where: str, roles: dict, notes: dict):
+    return _text(_get(row, "text", columns, where, fmt), where, "text"), _named(fmt, columns)
+
+
+_MESSAGES_ALIASES = {"messages": ("conversations", "conversation", "messages", "dialog", "chat", "turns")}
+# name -> Format; the recipe's schema, prepare and the docs test read it (see the module docstring)
+FORMATS: dict[str, Format] = {f.name: f for f in (
+    Format("messages", "OpenAI chat fine-tuning rows {messages: [{role, content}]} with per-turn weight, tools and "
+           "tool calls", fields=("messages", "system", "tools"), optional=("system", "tools"),
+           aliases=_MESSAGES_ALIASES, chat=True, read=_read_chat,
+           message_keys={"messages": "messages", "role": "role", "content": "content"}, roles=_OUR_ROLES),
+    Format("sharegpt", "ShareGPT rows {conversations: [{from, value}]} with ShareGPT's role names",
+           fields=("messages", "system", "tools"), optional=("system", "tools"), aliases=_MESSAGES_ALIASES,
+           chat=True, read=_read_chat,
+           message_keys={"messages": "conversations", "role": "from", "content": "value"}, roles=SHAREGPT_ROLES),
+    Format("instruction", "Alpaca rows {instruction, input (optional), output}",
+           fields=("instruction", "input", "output", "system", "tools"), optional=("input", "system", "tools"),
+           aliases={"instruction": ("instruction", "question", "prompt", "query", "task"),
+                    "output": ("output", "response", "answer", "completion", "target", "chosen")},
+           chat=True, read=_read_instruction),
+    Format("prompt_completion", "{prompt, completion} rows, one user turn and one reply",
+           fields=("prompt", "completion", "system", "tools"), optional=("system", "tools"),
+           aliases={"prompt": ("prompt", "question", "query", "instruction", "input"),
+                    "completion": ("completion", "response", "answer", "output", "target", "chosen")},
+           chat=True, read=_read_prompt_completion),
+    Format("text", "{text} rows, every token trained, no chat template (continued pretraining)",
+           fields=("text",), optional=(), aliases={"text": ("text", "content", "document", "body")},
+           chat=False, read=_read_text),
+)}
+
+
 def read_row(row: dict, fmt: str, columns: dict, where: str, roles: dict | None = None,
              tools: list | None = None) -> Doc:
-    """A row of `fmt` -> Doc. `tools`: the source's tool definitions, for rows without their own."""
+    """A row of format `fmt` (a FORMATS name) -> Doc. `tools`: the source's tool definitions, for rows without
+    their own."""
+    form = FORMATS[fmt]
     notes: dict = {}
-    if fmt == "text":
-        conv, used = _text(_get(row, "text", columns, where, fmt), where, "text"), {columns.get("text", "text")}
-    elif fmt in CHAT_COLUMNS:
-        conv, used = _chat(row, fmt, columns, where, roles or {}, notes)
-    elif fmt == "instruction":
-        instr = _text(_get(row, "instruction", columns, where, fmt), where, "instruction")
-        extra = _get(row, "input", columns, where, fmt)
-        if extra is not None and not isinstance(extra, str):
-            raise BadSample(where, f"input must be a string, got {type(extra).__name__}.")
-        user = f"{instr}\n\n{extra}" if extra and extra.strip() else instr
-        conv = validate_messages(_system(row, columns, where, fmt) + [
-            {"role": "user", "content": user},
-            {"role": "assistant", "content": _get(row, "output", columns, where, fmt)}], where)
-        used = {columns.get(k, k) for k in ("instruction", "input", "output", "system", "tools")}
-    elif fmt == "prompt_completion":
-        conv = validate_messages(_system(row, columns, where, fmt) + [
-            {"role": "user", "content": _get(row, "prompt", columns, where, fmt)},
-            {"role": "assistant", "content": _get(row, "completion", columns, where, fmt)}], where)
-        used = {columns.get(k, k) for k in ("prompt", "completion", "system", "tools")}
-    else:  # the schema's Literal makes this unreachable from a recipe
-        raise ValueError(f"unknown format {fmt}")
-    if fmt != "text":
-        own = normalize_tools(_get(row, "tools", columns, where, fmt), where, columns.get("tools", "tools"))
+    conv, used = form.read(row, form, columns, where, roles or {}, notes)
+    if form.chat:
+        own = normalize_tools(_get(row, "tools", columns, where, form), where, columns.get("tools", "tools"))
         tools = own if own is not None else tools  # a row's own tools replace the source's
         if tools:
             _count(notes, "rows_with_tools")
@@ -331,7 +400,7 @@ def read_row(row: dict, fmt: str, columns: dict, where: str, roles: dict | None 
             raise BadSample(where, f"row key '{key}' would change what is trained, and zerotune does not read it.",
                             f"{why}; or remove it.")
         _count(notes, f"row:{key}")
-    return Doc(conv, tools if fmt != "text" else None, notes or None)
+    return Doc(conv, tools if form.chat else None, notes or None)
 
 
 def to_messages(row: dict, fmt: str, columns: dict, where: str, roles: dict | None = None) -> list[dict] | str:

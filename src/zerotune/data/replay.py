@@ -96,13 +96,9 @@ def check_disjoint(r: Recipe, prompts: list[dict]) -> None:
     """Refuse replay prompts that are also evaluation prompts: replaying the base model's answer to a held-out
     question would train on the test (compared on the last user turn, case and punctuation ignored)."""
     from ..answering import eval_sets, load_rows
-    from ..config import EvalSetCfg
 
     mine = {_norm(p["messages"][-1]["content"]): p["messages"][-1]["content"] for p in prompts}
-    sets = eval_sets(r)
-    if r.data.heldout and all(s.path != r.data.heldout for s in sets):
-        sets.append(EvalSetCfg(name="data.heldout", path=r.data.heldout))
-    for es in sets:
+    for es in eval_sets(r):  # data.heldout among them when it is set (config allows one of the two)
         try:
             rows = load_rows(es)
         except MissingInputError:

@@ -28,21 +28,10 @@ from typing import Iterator
 import numpy as np
 
 from ..config import SourceCfg, resolve_path
-from ..errors import UserError
+from ..errors import BadSample, UserError
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 SKIP_HINT = "Or set data.on_bad_sample: skip to drop such rows and count them in the manifest."
-
-
-class BadSample(UserError, ValueError):
-    """One row is unusable; `where` names the file and line or row, `fix` says what to do."""
-
-    def __init__(self, where: str, reason: str, fix: str = ""):
-        self.where, self.reason, self.fix = where, reason, fix
-        super().__init__(f"{where}: {reason}" + (f" Fix: {fix}" if fix else ""))
-
-    def __reduce__(self):  # picklable across worker processes
-        return (BadSample, (self.where, self.reason, self.fix))
 
 
 class SourceError(UserError, ValueError):

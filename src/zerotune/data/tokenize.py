@@ -15,8 +15,10 @@ history form (_history_end). The ids are exactly those of
 
 Which assistant turns carry labels: all of them (`loss_on: all_assistant`) or the last, less those marked
 `"weight": 0` (OpenAI's per-turn switch), tool-call turns included. Tools (`tools=`) are rendered by the
-template itself, as `apply_chat_template(..., tools=...)` does; a conversation that uses tools, tool calls or
-tool replies is refused, naming the tokenizer, when probes show the template drops them (ChatRenderer.require).
+template itself, as `apply_chat_template(..., tools=...)` does. A tool-call turn reaches each template in the
+form it accepts (CALL_FORMS: Qwen3's template needs a content string where OpenAI's data has null); a
+conversation that uses tools, tool calls or tool replies is refused, naming the tokenizer and what the template
+does instead, when probes show the template drops them or fails on them in every form (ChatRenderer.require).
 
 Speed: the compiled Jinja template is called directly (about 3x cheaper than
 `apply_chat_template`, verified equal on the first conversation of every
@@ -26,10 +28,13 @@ process, and on the first with tools, else we fall back), and a chunk of samples
 
 from __future__ import annotations
 
+import json
+from typing import NamedTuple
+
 import numpy as np
 
-from ..errors import UserError
-from .sources import BadSample
+from ..errors import BadSample, UserError
+from .formats import FORMATS
 
 IGNORE = -100
 
@@ -40,16 +45,47 @@ class TemplateError(UserError, ValueError):
 
 def require_chat_template(tok, where: str) -> None:
     if not getattr(tok, "chat_template", None):
-        raise TemplateError(f"tokenizer {where} has no chat template, so chat data (formats messages, sharegpt, "
-                            "instruction, prompt_completion) cannot be rendered. Fix: use a tokenizer that has one (e.g. the "
-                            "Instruct model's), add `chat_template` to its tokenizer_config.json, or use format: text.")
+        chat = ", ".join(f.name for f in FORMATS.values() if f.chat)
+        plain = " or ".join(f.name for f in FORMATS.values() if not f.chat)
+        raise TemplateError(f"tokenizer {where} has no chat template, so chat data (formats {chat}) cannot be "
+                            f"rendered. Fix: use a tokenizer that has one (e.g. the Instruct model's), add "
+                            f"`chat_template` to its tokenizer_config.json, or use format: {plain}.")
+
+
+class CallForm(NamedTuple):
+    empty_content: bool   # content "" on a tool-call turn without text (OpenAI's data: null, left out)
+    json_arguments: bool  # the call's arguments as JSON text (the data: an object, formats._arguments)
+
+
+# How a tool-call turn may reach a template, tried in this order, the form the data has first (OpenAI's, which
+# apply_chat_template passes on as it is). Templates differ: Qwen3's reads `.content` on every assistant turn and
+# fails without one; one that prints the arguments as they come, without `tojson`, would print a Python dict.
+CALL_FORMS = (CallForm(False, False), CallForm(True, False), CallForm(False, True), CallForm(True, True))
+
+
+def in_form(msgs: list[dict], form: CallForm) -> list[dict]:
+    """The conversation with its tool-call turns in `form` (the same list when there is nothing to change)."""
+    if form == CALL_FORMS[0] or not any(m.get("tool_calls") for m in msgs):
+        return msgs
+    out = []
+    for m in msgs:
+        if m.get("tool_calls"):
+            m = dict(m)
+            if form.empty_content and m.get("content") is None:
+                m["content"] = ""
+            if form.json_arguments:
+                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.dumps(
+                    c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]
+        out.append(m)
+    return out
 
 
 # Probe conversations: a template renders a feature when the probe's marker comes out in its text. Each probe
 # goes without the others' features, so each answer is about that feature alone.
 _PROBE_USER = {"role": "user", "content": "Hi"}
+_PROBE_ARGUMENTS = {"q": "zerotune_probe_value"}  # printed as a Python dict: the template wants JSON text
 _PROBE_CALL = {"role": "assistant", "tool_calls": [{"id": "call0", "type": "function", "function": {
-    "name": "zerotune_probe_call", "arguments": {"q": "x"}}}]}
+    "name": "zerotune_probe_call", "arguments": _PROBE_ARGUMENTS}}]}
 _PROBE_TOOLS = [{"type": "function", "function": {"name": "zerotune_probe_tool", "description": "A probe.",
                                                   "parameters": {"type": "object", "properties": {
                                                       "q": {"type": "string"}}, "required": ["q"]}}}]
@@ -77,6 +113,7 @@ class ChatRenderer:
         self._fast = None
         self._checked: set = set()
         self._support: dict | None = None
+        self._call_form = CALL_FORMS[0]  # the form this template renders tool calls in (tool_support finds it)
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -89,6 +126,15 @@ class ChatRenderer:
         return self.tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=gen)
 
     def __call__(self, msgs: list[dict], gen: bool, tools: list | None = None) -> str:
+        return self._render(self.in_form(msgs), gen, tools)
+
+    def in_form(self, msgs: list[dict]) -> list[dict]:
+        """The conversation as this template accepts it: its tool-call turns in the template's CallForm."""
+        if any(m.get("tool_calls") for m in msgs):
+            self.tool_support()
+        return in_form(msgs, self._call_form)
+
+    def _render(self, msgs: list[dict], gen: bool, tools: list | None = None) -> str:
         if self._fast is not None:
             try:
                 text = self._fast.render(messages=msgs, tools=tools, documents=None, add_generation_prompt=gen,
@@ -106,15 +152,29 @@ class ChatRenderer:
         return self._slow(msgs, gen, tools)
 
     def tool_support(self) -> dict:
-        """feature -> None if the template renders it, else why not (probed once)."""
+        """feature -> None if the template renders it, else why not (probed once); a tool call in each of
+        CALL_FORMS until one renders, which becomes the form this renderer gives the template."""
         if self._support is None:
             self._support = {}
             for feature, (msgs, gen, tools, marker) in TOOL_PROBES.items():
-                try:
-                    ok = marker in self(msgs, gen, tools)
-                    self._support[feature] = None if ok else "a probe's name does not come out in its text"
-                except Exception as e:  # noqa: BLE001 - a template that raises on it does not render it either
-                    self._support[feature] = f"it raised {type(e).__name__}: {' '.join(str(e).split())[:160]}"
+                said, raised = [], []
+                for form in CALL_FORMS if feature == "tool calls" else CALL_FORMS[:1]:
+                    try:
+                        text = self._render(in_form(msgs, form), gen, tools)
+                    except Exception as e:  # noqa: BLE001 - a template that raises on it does not render it either
+                        raised.append(f"it raised {type(e).__name__}: {' '.join(str(e).split())[:160]}")
+                        continue
+                    if marker not in text:
+                        said.append("its text leaves them out")
+                    elif repr(_PROBE_ARGUMENTS) in text:
+                        said.append("it prints a call's arguments as a Python dict")
+                    else:
+                        self._support[feature] = None
+                        if feature == "tool calls":
+                            self._call_form = form
+                        break
+                else:  # what it does in a form it accepts is the truth about it; else its first error
+                    self._support[feature] = (said or raised)[0]
         return self._support
 
     def require(self, features: list[str], where: str) -> None:
@@ -124,8 +184,8 @@ class ChatRenderer:
                 raise BadSample(where, f"this conversation has {f}, but the chat template of {self.name} does not "
                                        f"render them ({why}), so they cannot be trained.",
                                 "set model.tokenizer to a tokenizer whose chat template renders tools (an Instruct "
-                                "model's own, e.g. Llama-3.1-8B-Instruct's or Qwen2.5's), or remove the tool turns "
-                                "from the data.")
+                                "model's own, e.g. Llama-3.1-8B-Instruct's, or Qwen3's: assets/tokenizer/qwen3), or "
+                                "remove the tool turns from the data.")
 
 
 def assistant_spans(render, msgs: list[dict], loss_on: str, where: str,
@@ -182,26 +242,26 @@ def _assistant_spans(render, msgs: list[dict], loss_on: str, where: str,
 def _history_end(full: str, start_text: str, end_text: str, msg: dict) -> int | None:
     """Where assistant turn i ends in `full` when the template renders a turn differently once later messages
     follow it (Qwen3: the last assistant turn after the last user query gets '<think>\n\n</think>\n\n' before
-    its content, earlier turns do not; families.py). The turn starts where the generation prompt ends (that part
-    must still be a prefix); its content follows directly or after exactly what the last-turn rendering put before
-    it, and it ends with the same end-of-turn text. None when the turn cannot be located that way."""
+    its content or its tool calls, earlier turns do not; families.py). The turn starts where the generation prompt
+    ends (that part must still be a prefix); in the history form it is the last-turn rendering less some of what
+    that put before the turn's anchor (its reply text, or the name its first tool call calls), and it ends with the
+    same end-of-turn text. None when the turn cannot be located that way."""
     content = msg.get("content")
-    if not isinstance(content, str) or not content or not full.startswith(start_text):
-        return None
-    if "</think>" in content:
+    if isinstance(content, str) and "</think>" in content:
         # a reply that carries its reasoning: Qwen3's template renders only the text after '</think>' (leading
         # newlines dropped) once later messages follow, and reformats the block in the last-turn form
         content = content.rsplit("</think>", 1)[1].lstrip("\n")
         if not content:
             return None
-    cut = end_text.rfind(content)
-    if cut < len(start_text):
+    calls = msg.get("tool_calls") or [{}]
+    anchor = content if isinstance(content, str) and content else calls[0].get("function", {}).get("name")
+    if not anchor or not full.startswith(start_text):
         return None
-    before, tail = end_text[len(start_text):cut], end_text[cut + len(content):]
-    for lead in ("", before):  # the history form, or the same form as the last turn
-        at = len(start_text) + len(lead)
-        if full.startswith(lead + content + tail, len(start_text)):
-            return at + len(content) + len(tail)
+    turn = end_text[len(start_text):]
+    cut = turn.rfind(anchor)
+    for lead in range(1, cut + 1):  # the longest part of the turn that follows the generation prompt in `full`
+        if full.startswith(turn[lead:], len(start_text)):
+            return len(start_text) + len(turn) - lead
     return None
 
 

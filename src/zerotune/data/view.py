@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ..config import Recipe
 from ..layout import layout
-from .prepare import load_tokenizer, require_prepared, source_lines
+from .cache import load_tokenizer, require_prepared
+from .prepare import source_lines
 from .tokenize import IGNORE
 
 OPEN, CLOSE = "⟦", "⟧"  # plain-text label markers: rare in real data, so what they enclose is unambiguous

@@ -13,7 +13,7 @@ import os
 from .. import manifest as mf
 from .. import peft_utils
 from ..config import Recipe
-from ..data.prepare import load_tokenizer
+from ..data.cache import load_tokenizer
 from ..layout import layout
 from .handoff import Probe, RunRecord
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from .. import errors
 from .. import manifest as mf
 from ..config import Recipe, resolve_path
-from ..data.prepare import load_tokenizer, require_prepared
+from ..data.cache import load_tokenizer, require_prepared
 from ..layout import layout
 from ..ports import free_port
 from .handoff import Outcome

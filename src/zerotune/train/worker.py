@@ -19,7 +19,7 @@ from .. import batch as batchmod
 from .. import attention, families, hardware, peft_utils, quiet
 from .. import manifest as mf
 from ..config import Recipe
-from ..data.prepare import load_tokenizer, require_prepared
+from ..data.cache import load_tokenizer, require_prepared
 from ..layout import layout
 from ..verify import model_dtype, probe_inputs
 from .args import collate_packed, make_collate_padded, total_steps, training_arguments
