@@ -106,10 +106,10 @@ SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write rate to shared storage, all r
 
 def _preemption(r: Recipe, time: dict, disk: dict) -> dict:
     """What a time limit or a kill costs under slurm/finetune.sbatch. At a time limit the workers stop at a step
-    boundary with a commit when the next step + save + margin would not fit (checkpoint.out_of_time): no trained
+    boundary with a commit when the next step + save + margin would not fit (stopping.out_of_time): no trained
     step is lost, up to that much of the allocation goes unused. A kill without warning loses the steps since
     the last save. The USR1 lead must cover at least one save (the step in flight is finished first)."""
-    from .checkpoint import seconds_needed
+    from .stopping import seconds_needed
 
     step = time["seconds_per_step"]
     save = disk["checkpoint_bytes"] / SAVE_BYTES_PER_S

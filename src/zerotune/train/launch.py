@@ -97,7 +97,7 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
 
 def _say_outcome(r: Recipe, o: Outcome) -> int:
     """What the workers' exit means, in one line: stopped (REQUEUE_EXIT: run again to resume), a user error (2), a failure."""
-    from ..checkpoint import REQUEUE_EXIT
+    from ..stopping import REQUEUE_EXIT
 
     stopped, rc = o.stopped, o.rc
     if stopped:

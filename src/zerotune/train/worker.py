@@ -17,7 +17,6 @@ from pathlib import Path
 
 from .. import batch as batchmod
 from .. import attention, families, hardware, peft_utils, quiet
-from .. import manifest as mf
 from ..config import Recipe
 from ..data.prepare import load_tokenizer, require_prepared
 from ..layout import layout
@@ -37,7 +36,7 @@ def worker(r: Recipe) -> None:
     finalize reloads the 4-bit base on the same GPU; an optimizer offload pins host RAM)."""
     import weakref
 
-    from ..checkpoint import StopOnSignal
+    from ..stopping import StopOnSignal
 
     stop = StopOnSignal()  # first: a SIGUSR1 while loading must be remembered, not kill the process
     run = setup(r)
@@ -94,7 +93,7 @@ def setup(r: Recipe) -> Run:
     from datasets import load_from_disk
 
     from .. import universal
-    from ..checkpoint import MARKER, last_committed
+    from ..checkpoint import CommitMarker, last_committed
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     resume = last_committed(layout(r).checkpoints, quiet=True)
@@ -135,7 +134,7 @@ def setup(r: Recipe) -> Run:
         run.say(f"torch {torch.__version__} (CUDA {torch.version.cuda}) kernels for {torch.cuda.get_arch_list()}")
     run.say(f"{bp.describe()}; {steps} optimizer steps ({len(train_ds)} sequences, {bp.sequences_per_step} per step)")
     if saved is not None:
-        was = (mf.read(resume / MARKER) or {}).get("grad_accum")  # older markers: the same batch at the old world
+        was = CommitMarker.read(resume).grad_accum  # None in older markers: the same batch at the old world
         was = was or batchmod.derive(bp.global_batch_tokens, bp.seq_len, bp.micro_batch_size, saved).grad_accum
         run.say(f"world size {saved} -> {world}: DeepSpeed loads {resume.name}'s universal conversion ({folder}); "
                 f"grad-accum {was} -> {bp.grad_accum}, the global batch of {bp.global_batch_tokens:,} tokens and "
@@ -198,10 +197,11 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     from transformers import Trainer
 
     from .. import ds_config, faults
-    from ..checkpoint import CommitCheckpoints, EndAtLastStep
+    from ..checkpoint import CommitCheckpoints
     from ..evaluation import EvalDuringTraining
     from ..metrics import StepMetrics, flops_per_token
     from ..safety import SafetyChecks
+    from ..stopping import EndAtLastStep
 
     cfg = model.config
     tokens = run.data_manifest["tokens"]
@@ -209,10 +209,7 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     metrics = StepMetrics(layout(r).metrics, run.bp.global_batch_tokens, tokens["train_label"] / max(1, tokens["train_total"]),
                           flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
                           hardware.peak_tflops(run.gpu, run.choice.precision), run.world, safety=safety)
-    bp = run.bp
-    commit = CommitCheckpoints(r.train.save_total_limit, {
-        "global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
-        "micro_batch_size": bp.micro_batch_size, "grad_accum": bp.grad_accum})
+    commit = CommitCheckpoints(r.train.save_total_limit, run.bp)
     trainer = Trainer(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
                       # safety before metrics: a step or loss that stops the run is judged before it is logged;
                       # validation after CommitCheckpoints: a step is committed before it is validated
@@ -255,8 +252,8 @@ def choose_resume(r: Recipe, run: Run, metrics):
 def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
     """trainer.train; returns the seconds it took. A signal or the deadline ends the process here with
     REQUEUE_EXIT after writing stopped.json (a committed checkpoint, or none before the first step)."""
-    from ..checkpoint import (REQUEUE_EXIT, StopBeforeTraining, TrainingComplete, describe_failure, last_committed,
-                              step_of)
+    from ..checkpoint import describe_failure, last_committed, step_of
+    from ..stopping import REQUEUE_EXIT, StopBeforeTraining, TrainingComplete
 
     if run.universal is not None and run.universal.parent != resume:  # setup and choose_resume read the same files
         raise RuntimeError(f"resuming {resume}, but setup prepared {run.universal}")
@@ -314,12 +311,10 @@ def save_for_finalize(r: Recipe, run: Run, trainer, n_params: int, n_trainable: 
         load_tokenizer(r).save_pretrained(tmp)
         Probe({k: v.cpu() for k, v in probe.items()}, ref_logits, n_params, run.choice.precision,
               n_trainable, run.choice.attention).save(tmp)
-        bp = run.bp
         RunRecord(world_size=run.world, device=run.gpu.name, data_fingerprint=run.data_manifest["fingerprint"],
                   choice={"precision": run.choice.precision, "attention": run.choice.attention,
                           "liger": run.choice.liger},
-                  batch={"global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
-                         "micro_batch_size": bp.micro_batch_size, "grad_accum": bp.grad_accum},
+                  batch=run.bp.record(),
                   steps=run.steps, elapsed_s=round(elapsed, 1), base=str(layout(r).base)).write(layout(r).run_json)
     # What kept the trained model alive after training (issue 19): ZeRO-3's per-parameter gradient hooks
     # (deepspeed/runtime/zero/stage3.py:1525 -> deepspeed/utils/torch.py:42, register_post_accumulate_grad_hook)
