@@ -124,3 +124,22 @@ def test_gguf_checks_reads_the_chat_template_facts_without_the_data_package():
     assert graph["zerotune.chat_template"] == set()
     assert "zerotune.chat_template" in graph["zerotune.gguf_checks"]
     assert not {m for m in reaches("zerotune.gguf_checks") if m == "zerotune.data" or m.startswith("zerotune.data.")}
+
+
+# What each base module may import from zerotune: the floors everything else stands on. A base module that
+# reaches up (manifest importing the layout for one function) lifts every module above it one floor.
+BASE_IMPORTS = {
+    "errors": set(), "quant_types": set(), "ports": set(), "scorers": set(), "chat_template": set(),
+    "hardware": {"errors"}, "families": {"errors"},  # a family is handed to hardware.choose, not imported there
+    "config": {"errors", "hardware", "quant_types", "scorers"},  # the tables the schema validates against
+    "layout": {"config"},
+    # manifest.write_resolved_recipe forwards to layout's until data/prepare.py calls layout.write_resolved_recipe
+    # itself (issue 43); then manifest imports nothing: set()
+    "manifest": {"layout"},
+}
+
+
+def test_base_modules_import_only_what_they_are_allowed():
+    graph = import_graph()
+    got = {m: {d.removeprefix(f"{PACKAGE}.") for d in graph[f"{PACKAGE}.{m}"]} for m in BASE_IMPORTS}
+    assert got == BASE_IMPORTS

@@ -12,7 +12,6 @@ import os
 import shutil
 from pathlib import Path
 
-import yaml
 
 
 def write(path: Path, obj: dict) -> None:
@@ -133,14 +132,11 @@ def _remove(path: Path) -> None:
 
 
 def write_resolved_recipe(folder: Path, recipe) -> None:
-    """The recipe that made a stage's output, overrides applied, beside it (train/: what its processes read)."""
-    from .layout import RESOLVED_RECIPE
+    """Moved to layout.write_resolved_recipe (issue 43). Kept only for data/prepare.py, which another change
+    is reworking; delete this once it calls layout's: manifest then imports nothing from zerotune."""
+    from .layout import write_resolved_recipe
 
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    final = Path(folder) / RESOLVED_RECIPE
-    tmp = final.with_name(f".{final.name}.{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-    os.replace(tmp, final)  # a reader never sees half a recipe
+    write_resolved_recipe(folder, recipe)
 
 
 def sha256(path: Path) -> str:
