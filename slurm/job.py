@@ -28,7 +28,8 @@ from zerotune.quiet import silence_known_noise
 silence_known_noise()
 
 from zerotune import manifest as mf  # noqa: E402
-from zerotune.checkpoint import REQUEUE_EXIT, last_committed  # noqa: E402
+from zerotune.checkpoint import last_committed  # noqa: E402
+from zerotune.stopping import REQUEUE_EXIT  # noqa: E402
 from zerotune.config import load_recipe  # noqa: E402
 from zerotune.errors import EXIT_CODE, UserError, report  # noqa: E402
 from zerotune.layout import RunLayout  # noqa: E402

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from zerotune.config import load_recipe
-from zerotune.planner.compute import attention_kind, compute_plan
+from zerotune.planner.compute import compute_plan
+from zerotune.planner.flops import attention_kind
 
 
 @pytest.mark.parametrize("attention, packing, micro, kind", [

@@ -72,6 +72,34 @@ def test_nll_sum_matches_independent_ce_and_dummy_adds_nothing(tiny_model_dir, t
     assert loss == pytest.approx(ref, rel=1e-6)
 
 
+def test_samples_are_answerings_greedy_answers_and_leave_the_model_as_training_had_it(tiny_model_dir, tmp_path):
+    """The in-training samples go through answering.py: on a model as training holds it (train mode, no KV cache
+    in its config) they equal check's and eval's batched greedy answers to the same prompts, with the same stop
+    tokens; afterwards the model is in train mode with its cache off again."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zerotune.answering import eval_sets, hf_generate, load_hf, load_rows
+    from zerotune.config import load_recipe
+    from zerotune.evaluation import EvalDuringTraining
+
+    r = load_recipe("tiny", [f"output_dir={tmp_path}"])
+    es = eval_sets(r)[0]
+    rows = load_rows(es)[: r.eval.samples]
+    model, tok, stop = load_hf(tiny_model_dir)
+    want = hf_generate(model, tok, stop, rows, es.max_new_tokens, batch_size=r.eval.batch_size)  # as check, eval
+    model.train()
+    model.config.use_cache = False
+    cb = EvalDuringTraining(r)
+    cb._prompts = (rows, es, tok, stop)  # what _sample_prompts reads from the run's tokenizer and base model
+    cb._evaluate(SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(is_world_process_zero=True), model, 5)
+    samples = [json.loads(x) for x in (tmp_path / "train" / "samples.jsonl").read_text().splitlines()]
+    assert [s["prediction"] for s in samples] == want and len(want) == r.eval.samples
+    assert [s["step"] for s in samples] == [5] * len(want)
+    assert model.training and model.config.use_cache is False
+
+
 # -- integration: real ZeRO-3, 2 processes --------------------------------------------------------------------
 
 @pytest.mark.integration

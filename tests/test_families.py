@@ -156,7 +156,7 @@ def test_gemma_folds_the_system_prompt_into_the_first_user_turn_unlabelled():
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_end_of_turn_is_what_the_familys_template_ends_a_turn_with(name):
-    from zerotune.gguf_checks import hf_end_tokens
+    from zerotune.chat_template import hf_end_tokens
 
     tok = _tokenizer(TOKENIZERS[name])
     ends = hf_end_tokens(tok, REPO / "configs")  # no generation_config there: the tokenizer and template alone

@@ -106,3 +106,38 @@ def test_zerotune_modules_import_each_other_without_a_cycle():
     assert "zerotune.check" in graph and "zerotune.manifest" in graph["zerotune.check"]
     cycles = all_cycles(graph)
     assert not cycles, "import cycles among zerotune modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_gguf_checks_reads_the_chat_template_facts_without_the_data_package():
+    """Checking a GGUF needs what the chat template says (end tokens, tool rendering), not the training data
+    pipeline: those facts live in chat_template.py, a leaf, and gguf_checks reaches nothing under data/."""
+    graph = import_graph()
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for m in graph[todo.pop()] - seen:
+                seen.add(m)
+                todo.append(m)
+        return seen
+
+    assert graph["zerotune.chat_template"] == set()
+    assert "zerotune.chat_template" in graph["zerotune.gguf_checks"]
+    assert not {m for m in reaches("zerotune.gguf_checks") if m == "zerotune.data" or m.startswith("zerotune.data.")}
+
+
+# What each base module may import from zerotune: the floors everything else stands on. A base module that
+# reaches up (manifest importing the layout for one function) lifts every module above it one floor.
+BASE_IMPORTS = {
+    "errors": set(), "quant_types": set(), "ports": set(), "scorers": set(), "chat_template": set(),
+    "hardware": {"errors"}, "families": {"errors"},  # a family is handed to hardware.choose, not imported there
+    "config": {"errors", "hardware", "quant_types", "scorers"},  # the tables the schema validates against
+    "layout": {"config"},
+    "manifest": set(),
+}
+
+
+def test_base_modules_import_only_what_they_are_allowed():
+    graph = import_graph()
+    got = {m: {d.removeprefix(f"{PACKAGE}.") for d in graph[f"{PACKAGE}.{m}"]} for m in BASE_IMPORTS}
+    assert got == BASE_IMPORTS

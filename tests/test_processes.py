@@ -9,15 +9,14 @@ import sys
 import pytest
 
 from conftest import REPO
-from zerotune import manifest as mf
 from zerotune.config import RECIPES_DIR, load_recipe
-from zerotune.layout import RunLayout
+from zerotune.layout import RunLayout, write_resolved_recipe
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")))
 def test_the_resolved_recipe_reads_back_as_the_same_recipe(name, tmp_path):
     r = load_recipe(name, [f"output_dir={tmp_path}", "train.lr=3e-5", "plan.nodes=4"])
-    mf.write_resolved_recipe(RunLayout(r.out).train, r)
+    write_resolved_recipe(RunLayout(r.out).train, r)
     assert load_recipe(str(RunLayout(r.out).run_recipe)) == r  # what every rank trains with is what was launched
 
 

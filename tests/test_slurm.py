@@ -63,7 +63,7 @@ def test_finetune_requeues_and_appends_to_its_log():
 
 
 def test_deadline_rule():
-    from zerotune.checkpoint import MARGIN_FRACTION, MARGIN_S, out_of_time, seconds_needed
+    from zerotune.stopping import MARGIN_FRACTION, MARGIN_S, out_of_time, seconds_needed
 
     step, save = 3600.0, 120.0
     need = seconds_needed(step, save)
@@ -80,7 +80,7 @@ def test_deadline_rule():
 
 
 def test_plan_states_the_cost_of_preemption():
-    from zerotune.checkpoint import seconds_needed
+    from zerotune.stopping import seconds_needed
     from zerotune.config import load_recipe
     from zerotune.planner.compute import SAVE_BYTES_PER_S, compute_plan
     from zerotune.planner.report import format_plan
@@ -145,7 +145,7 @@ def test_check_t4_fails_early_with_one_line(tmp_path):
 def _stop_callback(monkeypatch, deadline: float, step_s: float, save_s: float):
     import signal
 
-    from zerotune.checkpoint import StopOnSignal
+    from zerotune.stopping import StopOnSignal
 
     monkeypatch.setenv("ZEROTUNE_DEADLINE", str(deadline))
     monkeypatch.delenv("ZEROTUNE_PID_DIR", raising=False)
@@ -174,7 +174,7 @@ def test_deadline_at_the_last_step_finalizes_instead_of_requeueing(monkeypatch):
     2-minute save and 30 minutes left: the step before the last stops (exit 75, requeue); the last one finalizes."""
     import time
 
-    from zerotune.checkpoint import finalize_fits, seconds_needed
+    from zerotune.stopping import finalize_fits, seconds_needed
 
     now, step_s, save_s = 1_000_000.0, 3600.0, 120.0
     monkeypatch.setattr(time, "time", lambda: now)

@@ -1,4 +1,5 @@
-"""Answering held-out prompts, for every stage that needs answers: `zerotune check` and `zerotune eval`.
+"""Answering held-out prompts, for every stage that needs answers: `zerotune check` and `zerotune eval`, the
+base model's replay answers (data/replay.py) and the samples during training (evaluation.py).
 
 What is answered: the recipe's eval sets (eval_sets, load_rows). Who answers: the base model, the fine-tuned
 HF model and its GGUF, each greedily through the same chat template (score_models), one model in memory at a
@@ -22,7 +23,7 @@ from typing import Callable
 from . import manifest as mf
 from .config import EvalSetCfg, Recipe, resolve_path
 from .errors import MissingInputError, UserError
-from .gguf_checks import CHAT_FORMAT
+from .chat_template import CHAT_FORMAT, stop_ids
 from .layout import layout
 
 
@@ -175,33 +176,34 @@ def load_hf(model_dir: Path, tokenizer: Path | str | None = None, device: str = 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .gguf_checks import hf_end_tokens
-
     tok = AutoTokenizer.from_pretrained(str(tokenizer or model_dir))
     # straight onto the device: an 8B model would otherwise sit in host RAM (16 GB in fp16) before moving
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype or torch.float32, device_map=device)
     model.eval()
-    ends = hf_end_tokens(tok, model_dir)
-    stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
-    return model, tok, stop
+    return model, tok, stop_ids(tok, model_dir)
 
 
 def hf_generate(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int, batch_size: int = 8,
-                template_kwargs: dict | None = None) -> list[str]:
+                template_kwargs: dict | None = None, device=None, synced_gpus: bool = False) -> list[str]:
     """Greedy chat answers (hf_answers without the finish flags)."""
     return [text for text, _ in hf_answers(model, tok, stop, rows, max_new_tokens, batch_size,
-                                           template_kwargs=template_kwargs)]
+                                           template_kwargs=template_kwargs, device=device, synced_gpus=synced_gpus)]
 
 
 def hf_answers(model, tok, stop: list[int], rows: list[dict], max_new_tokens: int, batch_size: int = 8,
-               progress: str | None = None, template_kwargs: dict | None = None) -> list[tuple[str, bool]]:
+               progress: str | None = None, template_kwargs: dict | None = None, device=None,
+               synced_gpus: bool = False) -> list[tuple[str, bool]]:
     """(answer, finished) per row: greedy chat answers, `batch_size` prompts per generate() call (one decode step
     then serves them all: on 2 CPU cores 8 prompts cost little more than one); finished = it ended with a stop
     token, not at max_new_tokens. Each prompt is tokenized alone, exactly as a batch of one would be, then
     left-padded, so every row's last prompt token sits at the same column and the new tokens line up.
     generate() derives position ids from the attention mask (cumsum - 1), so a padded row sees the positions it
     would see alone. Prompts are grouped longest first, so a batch pads little. `progress`: a bar's label;
-    `template_kwargs`: passed to the chat template (families.base_template_kwargs)."""
+    `template_kwargs`: passed to the chat template (families.base_template_kwargs); `device`: where the inputs go
+    (default the model's). Under ZeRO-3 (the samples during training) every rank calls this with the same rows
+    and batch size, hence makes the same generate() calls, and passes synced_gpus=True: a rank whose answers
+    ended keeps joining the parameter gathers of the others. use_cache=True: a training model's config has it off
+    (packed rows), and greedy answers are the same with or without a KV cache."""
     import torch
     from tqdm import tqdm
 
@@ -212,7 +214,7 @@ def hf_answers(model, tok, stop: list[int], rows: list[dict], max_new_tokens: in
     pad = stop[0] if pad is None else pad
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     out: list[tuple[str, bool]] = [("", False)] * len(prompts)
-    device = getattr(model, "device", "cpu")
+    device = device or getattr(model, "device", "cpu")
     with torch.no_grad(), tqdm(total=len(prompts), desc=progress, unit="prompt", mininterval=5,
                                disable=None if progress else True) as bar:
         for b in range(0, len(order), batch_size):
@@ -221,13 +223,15 @@ def hf_answers(model, tok, stop: list[int], rows: list[dict], max_new_tokens: in
             ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in idx], device=device)
             mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in idx], device=device)
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=stop, pad_token_id=stop[0], temperature=None, top_p=None, top_k=None)
+                                 eos_token_id=stop, pad_token_id=stop[0], temperature=None, top_p=None, top_k=None,
+                                 use_cache=True, synced_gpus=synced_gpus)
             for i, new in zip(idx, gen[:, width:].tolist()):
                 # a row that stopped early is filled with pad_token_id (a stop id) while the others go on
                 end = next((k + 1 for k, t in enumerate(new) if t in stop), None)
-                if len(new) > 1 and not any(new[:end]):
+                if len(new) > 1 and not any(new[:end]) and len(prompts[i]) < width:
                     # NaN logits make greedy decoding pick token 0 every time: reported upstream for left-padded
-                    # rows on some SDPA backends (unsloth #9848, B200); V100/T4's memory-efficient kernel is safe
+                    # rows on some SDPA backends (unsloth #9848, B200); V100/T4's memory-efficient kernel is safe.
+                    # An unpadded row's answer is the model's own, whatever it is
                     raise RuntimeError(f"prompt {i}: generate() returned only token 0 (NaN logits?) in a batch of "
                                        f"{len(idx)} left-padded prompts; rerun with eval.batch_size=1")
                 out[i] = (tok.decode(new[:end], skip_special_tokens=True).strip(), end is not None)

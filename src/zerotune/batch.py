@@ -48,6 +48,11 @@ class BatchPlan:
         per_epoch = self.steps_per_epoch(n_sequences)
         return max(1, int(per_epoch * epochs)) if per_epoch else 0
 
+    def record(self) -> dict:
+        """The batch as a run writes it down (the commit marker, run.json): the world size is recorded on its own."""
+        return {"global_batch_tokens": self.global_batch_tokens, "seq_len": self.seq_len,
+                "micro_batch_size": self.micro_batch_size, "grad_accum": self.grad_accum}
+
     def describe(self) -> str:
         return (f"global batch {self.global_batch_tokens:,} tokens = seq_len {self.seq_len:,} x micro-batch "
                 f"{self.micro_batch_size} x world {self.world_size} x grad-accum {self.grad_accum} "

@@ -30,7 +30,7 @@ from .answering import eval_sets, leakage_by_model, load_gguf, load_rows, score_
 from .config import Recipe
 from .errors import MissingInputError, UserError
 from .hardware import GPUS, kv_bytes_per_token, llama_cpp_fit
-from .layout import layout
+from .layout import layout, write_resolved_recipe
 from .quant_types import quant_type
 
 # A GGUF argmax that HF rates within this many nats of its own top token counts as a near-tie agreement, and
@@ -194,7 +194,7 @@ def check(r: Recipe) -> int:
     res["passed"], res["failures"] = not failures, failures
     paths = layout(r)
     mf.write(paths.check_json, res)
-    mf.write_resolved_recipe(paths.check, r)
+    write_resolved_recipe(paths.check, r)
     _print_table(res)
     if failures:
         print("check: FAILED: " + "; ".join(failures), flush=True)

@@ -68,11 +68,10 @@ MODEL_STAGES = {"data", "inspect", "finetune", "quantize", "check", "eval", "pla
 def _family_first(args, r) -> None:
     """An architecture zerotune does not know is one message listing the supported ones, before anything loads.
     A hub model not fetched yet has no config here: the training worker checks it before it loads weights."""
-    from .families import precision_refusal
     from .planner.memory import family_of_recipe
 
     family = family_of_recipe(r) if args.stage in MODEL_STAGES else None
-    if args.stage == "data" and r.data.replay is not None and precision_refusal(family, "fp16"):
+    if args.stage == "data" and r.data.replay is not None and family and family.precision_refusal("fp16"):
         from .hardware import detect
 
         gpu = detect()  # data/replay.py answers on this GPU in its auto training precision: fp16 without bf16

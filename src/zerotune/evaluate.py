@@ -183,7 +183,7 @@ def run_lm_eval(r: Recipe, es: EvalSetCfg, rows: list[dict]) -> dict:
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
 
-    from .gguf_checks import hf_end_tokens
+    from .chat_template import hf_end_tokens
     from .serve import build_app
 
     model_dir = layout(r).model

@@ -6,8 +6,9 @@ gathers parameters with collectives, so every rank must make the same calls: eac
 of the eval rows, shards are padded to equal length with a row whose labels are all -100 (it adds 0 NLL and 0
 tokens), and the summed NLL and label-token count are all-reduced. The loss is the model's own causal-LM loss
 in sum mode (labels shifted as HF shifts them), divided by the label-token count: the training loss's units.
-Generation: all ranks answer the same prompts with synced_gpus=True (a rank that finished keeps joining the
-gathers of the others).
+Generation: answering.py's greedy answers, as check and eval generate them (same chat template, same stop
+tokens), one prompt per generate() call as the planner budgets it (planner/phases.py samples); all ranks answer
+the same prompts with synced_gpus=True (a rank that finished keeps joining the gathers of the others).
 
 When: after the step's checkpoint is committed (on_save), or before the next step when the step saves nothing.
 The Trainer calls on_step_end before it saves (transformers 5.23 trainer.py:1949-1950, then
@@ -215,25 +216,17 @@ class EvalDuringTraining(TrainerCallback):
         import torch
         from transformers.integrations import is_deepspeed_zero3_enabled
 
+        from .answering import hf_generate
         from .families import answer_text, of_config
         from .scorers import score
 
         family = of_config(model.config)  # Qwen3: scored after its thinking block, as check and eval score
-        out = []
-        for row in rows:
-            enc = tok.apply_chat_template(row["messages"], add_generation_prompt=True, return_tensors="pt",
-                                          return_dict=True)
-            enc = {k: v.to(device) for k, v in enc.items()}
-            gen = model.generate(**enc, max_new_tokens=es.max_new_tokens, do_sample=False, eos_token_id=stop,
-                                 pad_token_id=stop[0], temperature=None, top_p=None, top_k=None, use_cache=True,
-                                 synced_gpus=bool(_dist()) and is_deepspeed_zero3_enabled())
-            pred = tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-            out.append({"step": step, "set": es.name, "prompt": row["messages"][-1].get("content"),
-                        "reference": row["answer"], "prediction": pred,
-                        "score": score(es.scorer, answer_text(family, pred), row, es.pattern)})
-            del gen
+        preds = hf_generate(model, tok, stop, rows, es.max_new_tokens, batch_size=1, device=device,
+                            synced_gpus=bool(_dist()) and is_deepspeed_zero3_enabled())
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        return out
+        return [{"step": step, "set": es.name, "prompt": row["messages"][-1].get("content"), "reference": row["answer"],
+                 "prediction": pred, "score": score(es.scorer, answer_text(family, pred), row, es.pattern)}
+                for row, pred in zip(rows, preds)]
 
     # -- reporting (rank 0) ---------------------------------------------------------------------------------
     def _report(self, step: int, row: dict, samples: list[dict]) -> None:
@@ -262,9 +255,9 @@ class EvalDuringTraining(TrainerCallback):
 
 def _sample_prompts(r: Recipe):
     """(rows, eval set, tokenizer, stop ids) for the in-training samples: the first eval set's first rows."""
-    from .data.cache import load_tokenizer
     from .answering import eval_sets, load_rows
-    from .gguf_checks import hf_end_tokens
+    from .chat_template import stop_ids
+    from .data.prepare import load_tokenizer
     from .weights import local_folder
 
     sets = eval_sets(r)
@@ -273,8 +266,7 @@ def _sample_prompts(r: Recipe):
     es = sets[0]
     rows = load_rows(es)[: r.eval.samples]
     tok = load_tokenizer(r)
-    ends = hf_end_tokens(tok, local_folder(str(layout(r).base)))  # a hub id: its generation_config in the cache
-    stop = sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
+    stop = stop_ids(tok, local_folder(str(layout(r).base)))  # a hub id: its generation_config in the cache
     return rows, es, tok, stop
 
 

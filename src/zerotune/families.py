@@ -8,7 +8,7 @@ reads this table:
 - peft_utils.py, planner/memory.py: the linears LoRA may target (`lora_targets`);
 - planner/memory.py: the activation terms (q/k norms, Gemma 3's four fp32 norms per layer, sliding-window
   layers), derived from the config (tests/test_activation_memory.py measures each family);
-- hardware.choose: the precisions a family may train in on a GPU (`precision_refusal`): Gemma 3 in fp16 is
+- hardware.choose: the precisions a family may train in on a GPU (`Family.precision_refusal`): Gemma 3 in fp16 is
   refused, with the reason and the sources, before anything loads;
 - data/tokenize.py, answering.py, gguf_checks.py: chat-template quirks (Qwen3's thinking block, Gemma's system
   prompt folded into the first user turn), the family's end-of-turn token, what llama.cpp does differently.
@@ -70,6 +70,21 @@ class Family:
         import liger_kernel.transformers as lk
 
         return getattr(lk, self.liger)
+
+    def check_lora_targets(self, targets) -> None:
+        """peft.target_modules must name linears of this family (lora_targets), or be ['all-linear']: peft would
+        otherwise fail deep in get_peft_model, or adapt a module the planner does not count."""
+        targets = list(targets)
+        unknown = [t for t in targets if t not in self.lora_targets]
+        if targets != ["all-linear"] and unknown:
+            raise UserError(f"peft.target_modules {unknown}: not a linear of a {self.name} model. Use any of "
+                            f"{list(self.lora_targets)}, or ['all-linear'].")
+
+    def precision_refusal(self, precision: str) -> str | None:
+        """Why this family may not train in `precision` (None: it may). Hardware limits (bf16 below sm80, fp16 on
+        a CPU) are hardware.choose's; this is the model's own. A method, so hardware.py asks a family it is handed
+        without importing this table."""
+        return self.fp16 if precision == "fp16" else None
 
 
 FAMILIES: dict[str, Family] = {
@@ -194,14 +209,6 @@ def public_config(name: str) -> Path | None:
 
 # ---- precision -----------------------------------------------------------------------------------
 
-def precision_refusal(family: Family | None, precision: str) -> str | None:
-    """Why this family may not train in `precision` (None: it may). Hardware limits (bf16 below sm80, fp16 on a
-    CPU) are hardware.choose's; this is the model's own."""
-    if family is not None and precision == "fp16" and family.fp16 is not None:
-        return family.fp16
-    return None
-
-
 def precisions(family: Family, gpu) -> dict[str, str | None]:
     """{precision: None if this family trains in it on this GPU, else why not}: the capability table per GPU."""
     out = {}
@@ -211,7 +218,7 @@ def precisions(family: Family, gpu) -> dict[str, str | None]:
         elif p == "fp16" and gpu.capability is None:
             out[p] = "fp16 mixed precision needs a CUDA GPU"
         else:
-            out[p] = precision_refusal(family, p)
+            out[p] = family.precision_refusal(p)
     return out
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from . import quiet
+from .chat_template import CHAT_FORMAT, hf_end_tokens, in_form, tool_support
 from .errors import UserError
 from .quant_types import quant_type
 
@@ -74,13 +75,8 @@ PROBE_TOOL_CHAT = [
         "name": "get_weather", "arguments": {"city": "Paris"}}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "{\"temp_c\": 21}"},
 ]
-# llama-cpp-python replaces an embedded template it recognises with a hand-written formatter ("llama-3" for
-# the Llama-3 template), which does not `trim` message content as the template does: the served prompt then
-# differs from HF's and from training. zerotune always asks for the embedded template by this name.
-CHAT_FORMAT = "chat_template.default"
 FLOAT_TYPES = {"F16", "F32", "BF16", "F64"}
 K_BLOCK = 256
-_ANSWER_MARK = "zerotune probe answer"
 
 
 class GGUFCheckError(UserError, RuntimeError):
@@ -249,27 +245,6 @@ def hf_tensor_count(model_dir: Path) -> int:
     return n
 
 
-def hf_end_tokens(tok, model_dir: Path) -> dict:
-    """Where HF generation stops: generation_config eos ids, the tokenizer's eos, and the chat template's
-    end-of-turn token (the token right after an assistant message's content)."""
-    ids: set[int] = set()
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else (eos or []))
-    if tok.eos_token_id is not None:
-        ids.add(tok.eos_token_id)
-    turn_end = None
-    if tok.chat_template:
-        text = tok.apply_chat_template([{"role": "user", "content": "Hi"},
-                                        {"role": "assistant", "content": _ANSWER_MARK}], tokenize=False)
-        tail = text.split(_ANSWER_MARK, 1)[1] if _ANSWER_MARK in text else ""
-        tail_ids = tok(tail, add_special_tokens=False)["input_ids"]
-        if tail_ids:
-            turn_end = tail_ids[0]
-    return {"eos_ids": sorted(ids), "turn_end_id": turn_end}
-
-
 class _Captured(Exception):
     def __init__(self, prompt):
         self.prompt = prompt
@@ -297,16 +272,13 @@ def gguf_chat_prompt(llm, messages: list[dict], tools: list | None = None) -> li
 
 
 def tool_probe(tok) -> tuple[list, list | None, str]:
-    """The part of PROBE_TOOL_CHAT the HF template renders (data/tokenize.py's probes decide, as in training):
-    (messages, in the form training gives the template, tools, what is compared); no messages when it renders none
-    of it."""
-    from .data.tokenize import ChatRenderer
-
-    render = ChatRenderer(tok)
-    support = render.tool_support()
+    """The part of PROBE_TOOL_CHAT the HF template renders (chat_template.tool_support's probes decide, as in
+    training): (messages, in the form training gives the template, tools, what is compared); no messages when it
+    renders none of it."""
+    support, form = tool_support(tok)
     tools = PROBE_TOOLS if support["tools"] is None else None
     calls = support["tool calls"] is None and support["tool replies"] is None
-    msgs = render.in_form(PROBE_TOOL_CHAT) if calls else (PROBE_TOOL_CHAT[:1] if tools else [])
+    msgs = in_form(PROBE_TOOL_CHAT, form) if calls else (PROBE_TOOL_CHAT[:1] if tools else [])
     done = [f for f, ok in (("tools", tools), ("a tool call and its reply", calls)) if ok]
     missing = [f for f, why in support.items() if why is not None]
     what = " and ".join(done) or "none"

@@ -133,12 +133,10 @@ class Choice:
 def choose(gpu: GPU, precision: str = "auto", attention: str = "auto", liger: str = "auto",
            fa2_installed: bool | None = None, family=None) -> Choice:
     """family: a families.Family, whose own precision limits (Gemma 3: no fp16) apply on top of the GPU's."""
-    from .families import precision_refusal
-
     fa2_installed = flash_attn_installed() if fa2_installed is None else fa2_installed
     why = []
     on_gpu = gpu.capability is not None
-    no_fp16 = precision_refusal(family, "fp16") if on_gpu else None
+    no_fp16 = family.precision_refusal("fp16") if on_gpu and family is not None else None
 
     if precision == "auto":
         precision = "bf16" if gpu.bf16 else ("fp16" if on_gpu and not no_fp16 else "fp32")

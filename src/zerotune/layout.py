@@ -23,8 +23,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from .config import Recipe, resolve_path
 
@@ -181,3 +184,13 @@ def layout(r: Recipe) -> RunLayout:
     else:
         base = r.out / "base"
     return RunLayout(out=r.out, base=base, gguf=r.out / "gguf" / f"{r.name}-{r.quantize.type.lower()}.gguf")
+
+
+def write_resolved_recipe(folder: Path, r: Recipe) -> None:
+    """The recipe that made a stage's output, overrides applied, beside it as RESOLVED_RECIPE (train/: what its
+    processes read, RunLayout.run_recipe)."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    final = Path(folder) / RESOLVED_RECIPE
+    tmp = final.with_name(f".{final.name}.{os.getpid()}")
+    tmp.write_text(yaml.safe_dump(r.to_dict(), sort_keys=False))
+    os.replace(tmp, final)  # a reader never sees half a recipe

@@ -12,7 +12,6 @@ import os
 import shutil
 from pathlib import Path
 
-import yaml
 
 
 def write(path: Path, obj: dict) -> None:
@@ -130,17 +129,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-def write_resolved_recipe(folder: Path, recipe) -> None:
-    """The recipe that made a stage's output, overrides applied, beside it (train/: what its processes read)."""
-    from .layout import RESOLVED_RECIPE
-
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    final = Path(folder) / RESOLVED_RECIPE
-    tmp = final.with_name(f".{final.name}.{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
-    os.replace(tmp, final)  # a reader never sees half a recipe
 
 
 def sha256(path: Path) -> str:

@@ -69,18 +69,6 @@ def load_kwargs(r: Recipe, on_gpu: bool, precision: str | None = None) -> dict:
     return kw
 
 
-def check_targets(targets, family) -> None:
-    """peft.target_modules must name linears of this family (families.py lora_targets), or be ['all-linear']:
-    peft would otherwise fail deep in get_peft_model, or adapt a module the planner does not count."""
-    from .errors import UserError
-
-    targets = list(targets)
-    unknown = [t for t in targets if t not in family.lora_targets]
-    if targets != ["all-linear"] and unknown:
-        raise UserError(f"peft.target_modules {unknown}: not a linear of a {family.name} model. Use any of "
-                        f"{list(family.lora_targets)}, or ['all-linear'].")
-
-
 def lora_config(r: Recipe):
     from peft import LoraConfig
 
@@ -110,7 +98,7 @@ def wrap(model, r: Recipe):
 
     from .families import of_config
 
-    check_targets(r.peft.target_modules, of_config(model.config))
+    of_config(model.config).check_lora_targets(r.peft.target_modules)
 
     # lora_A is drawn from the global RNG here, before the Trainer seeds it: without this, two runs of the same
     # recipe start from different adapters (found by the resume test: grad norms differed at step 1)

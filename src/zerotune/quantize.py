@@ -18,7 +18,7 @@ from . import manifest as mf
 from .config import REPO_ROOT, Recipe
 from .errors import MissingInputError, UserError
 from .gguf_checks import inspect_gguf
-from .layout import layout
+from .layout import layout, write_resolved_recipe
 from .quant_types import QUANT_TYPES
 
 CONVERTER = REPO_ROOT / "assets" / "llama.cpp" / "convert_hf_to_gguf.py"
@@ -86,7 +86,7 @@ def quantize(r: Recipe, model_dir: Path | None = None) -> dict:
                 "source_model_sha256": train_manifest.get("model_sha256"),
                 "data_fingerprint": data_manifest.get("fingerprint"), "checks": report}
     mf.write(layout(r).gguf_manifest, manifest)
-    mf.write_resolved_recipe(layout(r).gguf_dir, r)
+    write_resolved_recipe(layout(r).gguf_dir, r)
     print(f"quantize: wrote {out} ({size / 2**20:.1f} MiB, {qtype}); checks passed: "
           f"{report['summary']}", flush=True)
     return manifest

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from .config import Recipe
 from .errors import MissingInputError, UserError
-from .gguf_checks import CHAT_FORMAT, chat_template_of
+from .chat_template import CHAT_FORMAT
+from .gguf_checks import chat_template_of
 from .layout import layout
 
 

@@ -1,10 +1,9 @@
 """What a request to `zerotune serve` goes through before llama-cpp-python sees it.
 
-llama-cpp-python's server answers a wrong-typed field with HTTP 500 and its validation dump (server file paths
-included), a streaming request that fails with 200 and an empty stream, and some requests by crashing the whole
-process: a `grammar` without a `root` rule, an out-of-range token id in /extras/detokenize, a JSON schema with
-`maxLength: 30000` (llama.cpp gets a NULL sampler, reads past its vocabulary, overflows its stack). `Guard`
-sits in front of it, in this order:
+llama-cpp-python's server answers a wrong-typed field with HTTP 500 and its validation dump (server file paths included),
+a streaming request that fails with 200 and an empty stream, and some requests by crashing the whole process: a
+`grammar` without a `root` rule, an out-of-range token id in /extras/detokenize, a JSON schema with `maxLength: 30000`
+(llama.cpp gets a NULL sampler, reads past its vocabulary, overflows its stack). `Guard` sits in front of it:
 
 1. routes: only POST /v1/chat/completions, POST /v1/completions and GET /v1/models (+ CORS preflight); anything
    else is 404/405 (the /extras endpoints and embeddings are not served);
@@ -19,10 +18,9 @@ sits in front of it, in this order:
 6. admission: one request is generated at a time (llama-cpp-python's lock); at most serve.max_queue wait behind
    it, more get 429 with Retry-After (the recent time per request, so the next slot should be free by then).
 
-Every error is one OpenAI-shaped body, `{"error": {"message", "type", "param", "code"}}`, naming the field. A
-response llama-cpp-python fails to produce is held back until its first byte, so a streaming request that fails
-before its first token gets a status code, not an empty 200; a 5xx never carries the exception text (it goes to
-the server's log).
+Every error is one OpenAI-shaped body, `{"error": {"message", "type", "param", "code"}}`, naming the field. A response
+llama-cpp-python fails to produce is held back until its first byte, so a streaming request that fails before its
+first token gets a status code, not an empty 200; a 5xx never carries the exception text (it goes to the log).
 """
 
 from __future__ import annotations
@@ -90,7 +88,7 @@ def _finite(text: str) -> float:
     return x
 
 
-def _no_constant(name: str):
+def _no_constant(name: str):  # NaN, Infinity: Python's json takes them, JSON does not
     raise ValueError(f"{name} is not valid JSON")
 
 

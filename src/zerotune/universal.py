@@ -13,7 +13,8 @@ worker starts: one process, and no collective waiting on it with a timeout.
         global_stepN/zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt, zero/optimizer_state.pt, model_states
         latest_universal             the tag engine.load_checkpoint reads when given none (engine.py:4427-4436)
         trainer_state.json, scheduler.pt, rng_state*.pth   the Trainer's own state, copied
-        zerotune_universal.json      written last: files and sizes, per-parameter checksums, where it came from
+        zerotune_universal.json      written last (Conversion): files and sizes, per-parameter checksums, where
+                                     it came from
 
 Rotation removes it with its checkpoint (checkpoint.rotate deletes the whole folder).
 """
@@ -26,11 +27,13 @@ import os
 import re
 import shutil
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from . import manifest as mf
+from .checkpoint import CommitMarker, last_committed, saved_world_size
 from .errors import UserError
 
 DIR = "universal"
@@ -40,6 +43,28 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what the ZeRO-3 universal loader r
 # trainer_state.json, :3893-3897 scheduler.pt under DeepSpeed with the Trainer's scheduler, :3847-3858 rng_state*.pth)
 TRAINER_FILES = ("trainer_state.json", "scheduler.pt")
 CHUNK = 1 << 22  # elements per checksum chunk: bounded memory on an 8B embedding (525M elements)
+
+
+@dataclass
+class Conversion:
+    """universal/zerotune_universal.json, written last by convert(): read by problem() (the files still match),
+    prepare() (what it says about the conversion) and CheckUniversalLoad (the checksums the load must equal)."""
+    source: str  # the global_stepN folder converted
+    source_world_size: int
+    step: int
+    elapsed_s: float
+    params: dict  # {parameter: {"numel": n, state: [sum x^2, sum i x^2] for state in STATES}} (_moments)
+    peak_bytes: int  # on disk while DeepSpeed converted
+    files: dict[str, int]  # every file but this one, and its size
+    bytes: int  # the conversion's size on disk
+
+    def write(self, folder: Path) -> None:
+        mf.write(Path(folder) / MARKER, asdict(self))
+
+    @classmethod
+    def read(cls, folder: Path) -> Conversion | None:
+        d = mf.read(Path(folder) / MARKER)
+        return cls(**d) if d else None
 
 
 def procs(n: int) -> str:
@@ -60,10 +85,10 @@ def tag_of(ckpt: Path) -> str:
 
 def problem(ckpt: Path) -> str | None:
     """Why checkpoint-N has no usable universal conversion, or None when it has one whose files match its marker."""
-    marker = mf.read(view(ckpt) / MARKER)
+    marker = Conversion.read(view(ckpt))
     if marker is None:
         return "not converted"
-    for rel, size in marker["files"].items():
+    for rel, size in marker.files.items():
         f = view(ckpt) / rel
         if not f.is_file() or f.stat().st_size != size:
             return f"{rel} is missing or truncated"
@@ -72,8 +97,6 @@ def problem(ckpt: Path) -> str | None:
 
 def needed(ckpt: Path | None, world: int) -> int | None:
     """The world size that wrote `ckpt` when it differs from `world` (a conversion is needed), else None."""
-    from .checkpoint import saved_world_size
-
     saved = saved_world_size(ckpt) if ckpt is not None else None
     return saved if saved is not None and saved != world else None
 
@@ -81,10 +104,8 @@ def needed(ckpt: Path | None, world: int) -> int | None:
 def check_batch(r, ckpt: Path) -> None:
     """Refuse, in one message, to resume with another global batch, at any world size: the Trainer skips
     step x grad-accum micro-batches per rank, which is the checkpoint's data position only at its own batch."""
-    from .checkpoint import MARKER as COMMITTED
-
-    committed = mf.read(Path(ckpt) / COMMITTED) or {}
-    was = committed.get("global_batch_tokens")
+    marker = CommitMarker.read(ckpt)
+    was = marker.global_batch_tokens if marker else None  # None: an older marker, without the batch
     if was is not None and was != r.train.global_batch_tokens:
         raise UserError(
             f"{ckpt} was trained with train.global_batch_tokens={was:,} and this run asks for "
@@ -123,7 +144,6 @@ def prepare(r, world: int, free_needed: int = 0) -> Path | None:
     make sure it has a universal conversion (build it once, or reuse it) and return its folder; else None.
     free_needed: what the rest of the run still needs on output_dir's file system after the conversion (the
     launch's plan, Plan.disk["needed_free_bytes"])."""
-    from .checkpoint import last_committed
     from .layout import layout
 
     ckpt = last_committed(layout(r).checkpoints, quiet=True)
@@ -148,14 +168,14 @@ def prepare(r, world: int, free_needed: int = 0) -> Path | None:
         print(f"finetune: {ckpt.name} was written by {procs(saved)} and this run has {world}: converting it once "
               f"to DeepSpeed's universal format in {view(ckpt)} (the original is only read)", flush=True)
         m = convert(ckpt, saved, free_needed=free_needed)
-        print(f"finetune: converted in {m['elapsed_s']:.1f} s: {m['bytes'] / 1e9:.2f} GB beside {ckpt.name} (fp32 "
-              f"weights, Adam m and v of {sum(p['numel'] for p in m['params'].values()):,} parameters; "
-              f"{m['peak_bytes'] / 1e9:.2f} GB at the peak of the conversion)", flush=True)
+        print(f"finetune: converted in {m.elapsed_s:.1f} s: {m.bytes / 1e9:.2f} GB beside {ckpt.name} (fp32 "
+              f"weights, Adam m and v of {sum(p['numel'] for p in m.params.values()):,} parameters; "
+              f"{m.peak_bytes / 1e9:.2f} GB at the peak of the conversion)", flush=True)
     _rng_files(ckpt, view(ckpt), saved, world)
     return view(ckpt)
 
 
-def convert(ckpt: Path, saved_world: int, free_needed: int = 0) -> dict:
+def convert(ckpt: Path, saved_world: int, free_needed: int = 0) -> Conversion:
     """Build checkpoint-N/universal/ beside the original and publish it by rename; returns its marker."""
     from deepspeed.checkpoint import ds_to_universal
 
@@ -200,12 +220,11 @@ def convert(ckpt: Path, saved_world: int, free_needed: int = 0) -> dict:
     for name in TRAINER_FILES:
         if (ckpt / name).is_file():
             shutil.copy2(ckpt / name, tmp / name)
-    marker = {"source": str(src), "source_world_size": saved_world, "step": _step(tag),
-              "elapsed_s": round(time.time() - t0, 2), "params": params,
-              "peak_bytes": peak}
-    marker["files"] = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()}
-    marker["bytes"] = tree_bytes(tmp)
-    mf.write(tmp / MARKER, marker)
+    marker = Conversion(source=str(src), source_world_size=saved_world, step=_step(tag),
+                        elapsed_s=round(time.time() - t0, 2), params=params, peak_bytes=peak,
+                        files={str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()},
+                        bytes=tree_bytes(tmp))
+    marker.write(tmp)
     mf.publish(tmp, view(ckpt))  # fsync, then rename: a reader sees no conversion or a whole one
     return marker
 
@@ -380,7 +399,7 @@ class CheckUniversalLoad(TrainerCallback):
         import torch
         import torch.distributed as dist
 
-        marker = mf.read(self.folder / MARKER)
+        marker = Conversion.read(self.folder)
         tag = (self.folder / "latest_universal").read_text().strip()
         saved = torch.load(self.folder / tag / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
         zero = self.trainer.model_wrapped.optimizer  # DeepSpeed's ZeRO-3 optimizer; .optimizer is torch's AdamW
@@ -399,16 +418,14 @@ class CheckUniversalLoad(TrainerCallback):
             if group.get("fused") or group.get("capturable"):
                 st["step"] = st["step"].to(dtype=torch.float32, device=flat.device)
 
-        from .checkpoint import MARKER as COMMITTED
-
-        ga_was = (mf.read(self.folder.parent / COMMITTED) or {}).get("grad_accum")
+        ga_was = CommitMarker.read(self.folder.parent).grad_accum  # the conversion's checkpoint; None: older
         rescaled = rescale_loss_scale(getattr(zero, "loss_scaler", None), ga_was, args.gradient_accumulation_steps)
         if rescaled and state.is_world_process_zero:
             print(f"finetune: fp16 loss scale {rescaled[0]:g} -> {rescaled[1]:g} for grad-accum {ga_was} -> "
                   f"{args.gradient_accumulation_steps} (each micro-batch's gradient is 1/grad-accum of the step's)",
                   flush=True)
 
-        names = sorted(marker["params"])
+        names = sorted(marker.params)
         local = torch.zeros(len(names), len(STATES), 2, dtype=torch.float64)
         rank = dist.get_rank() if dist.is_initialized() else 0
         for sub, params in enumerate(zero.fp16_groups):
@@ -428,7 +445,7 @@ class CheckUniversalLoad(TrainerCallback):
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         total = total.cpu()
         bad = [f"{n} {s}" for i, n in enumerate(names) for j, s in enumerate(STATES)
-               if not all(_close(float(total[i, j, k]), marker["params"][n][s][k]) for k in (0, 1))]
+               if not all(_close(float(total[i, j, k]), marker.params[n][s][k]) for k in (0, 1))]
         if bad:
             raise UniversalLoadError(
                 f"DeepSpeed's universal load of {self.folder} does not match the conversion ({len(bad)} of "
@@ -437,7 +454,7 @@ class CheckUniversalLoad(TrainerCallback):
         if state.is_world_process_zero:
             step = next((v["step"] for v in zero.optimizer.state.values() if "step" in v), None)
             print(f"finetune: universal load checked: fp32 weights, Adam m and v of {len(names)} tensors "
-                  f"({sum(p['numel'] for p in marker['params'].values()):,} parameters) equal the conversion on "
+                  f"({sum(p['numel'] for p in marker.params.values()):,} parameters) equal the conversion on "
                   f"{procs(args.world_size)}; Adam step {int(step) if step is not None else '?'}, "
                   f"lr {zero.optimizer.param_groups[0]['lr']:.3g}", flush=True)
         return control

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from .. import manifest as mf
 from ..config import Recipe
 from ..errors import BadSample, UserError
-from ..layout import layout
+from ..layout import layout, write_resolved_recipe
 from .cache import fingerprint, load_tokenizer
 from .formats import FORMATS, read_row
 from .packing import attention_pairs, best_fit_decreasing, iter_packed
@@ -421,7 +421,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
         if histogram:
             _histogram(lengths, r.data.seq_len, tmp / "lengths.png")
         mf.write(tmp / paths.data_manifest.name, manifest)
-        mf.write_resolved_recipe(tmp, r)
+        write_resolved_recipe(tmp, r)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

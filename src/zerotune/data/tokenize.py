@@ -28,11 +28,9 @@ process, and on the first with tools, else we fall back), and a chunk of samples
 
 from __future__ import annotations
 
-import json
-from typing import NamedTuple
-
 import numpy as np
 
+from ..chat_template import CALL_FORMS, in_form, tool_support
 from ..errors import BadSample, UserError
 from .formats import FORMATS
 
@@ -52,54 +50,8 @@ def require_chat_template(tok, where: str) -> None:
                             f"`chat_template` to its tokenizer_config.json, or use format: {plain}.")
 
 
-class CallForm(NamedTuple):
-    empty_content: bool   # content "" on a tool-call turn without text (OpenAI's data: null, left out)
-    json_arguments: bool  # the call's arguments as JSON text (the data: an object, formats._arguments)
-
-
-# How a tool-call turn may reach a template, tried in this order, the form the data has first (OpenAI's, which
-# apply_chat_template passes on as it is). Templates differ: Qwen3's reads `.content` on every assistant turn and
-# fails without one; one that prints the arguments as they come, without `tojson`, would print a Python dict.
-CALL_FORMS = (CallForm(False, False), CallForm(True, False), CallForm(False, True), CallForm(True, True))
-
-
-def in_form(msgs: list[dict], form: CallForm) -> list[dict]:
-    """The conversation with its tool-call turns in `form` (the same list when there is nothing to change)."""
-    if form == CALL_FORMS[0] or not any(m.get("tool_calls") for m in msgs):
-        return msgs
-    out = []
-    for m in msgs:
-        if m.get("tool_calls"):
-            m = dict(m)
-            if form.empty_content and m.get("content") is None:
-                m["content"] = ""
-            if form.json_arguments:
-                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.dumps(
-                    c["function"]["arguments"], ensure_ascii=False)}} for c in m["tool_calls"]]
-        out.append(m)
-    return out
-
-
-# Probe conversations: a template renders a feature when the probe's marker comes out in its text. Each probe
-# goes without the others' features, so each answer is about that feature alone.
-_PROBE_USER = {"role": "user", "content": "Hi"}
-_PROBE_ARGUMENTS = {"q": "zerotune_probe_value"}  # printed as a Python dict: the template wants JSON text
-_PROBE_CALL = {"role": "assistant", "tool_calls": [{"id": "call0", "type": "function", "function": {
-    "name": "zerotune_probe_call", "arguments": _PROBE_ARGUMENTS}}]}
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "zerotune_probe_tool", "description": "A probe.",
-                                                  "parameters": {"type": "object", "properties": {
-                                                      "q": {"type": "string"}}, "required": ["q"]}}}]
-TOOL_PROBES = {  # feature -> (messages, generation prompt, tools, marker)
-    "tools": ([_PROBE_USER], True, _PROBE_TOOLS, "zerotune_probe_tool"),
-    "tool calls": ([_PROBE_USER, _PROBE_CALL], False, None, "zerotune_probe_call"),
-    "tool replies": ([_PROBE_USER, {"role": "assistant", "content": "Calling."},
-                      {"role": "tool", "tool_call_id": "call0", "name": "zerotune_probe_call",
-                       "content": "zerotune_probe_result"}], True, None, "zerotune_probe_result"),
-}
-
-
 def tool_features(msgs: list[dict], tools) -> list[str]:
-    """Which TOOL_PROBES features a conversation uses."""
+    """Which chat_template.TOOL_PROBES features a conversation uses."""
     return [f for f, used in (("tools", bool(tools)), ("tool calls", any(m.get("tool_calls") for m in msgs)),
                               ("tool replies", any(m["role"] == "tool" for m in msgs))) if used]
 
@@ -152,29 +104,10 @@ class ChatRenderer:
         return self._slow(msgs, gen, tools)
 
     def tool_support(self) -> dict:
-        """feature -> None if the template renders it, else why not (probed once); a tool call in each of
-        CALL_FORMS until one renders, which becomes the form this renderer gives the template."""
+        """feature -> None if the template renders it, else why not (probed once, chat_template.tool_support); the
+        CallForm its tool calls render in becomes the form this renderer gives the template."""
         if self._support is None:
-            self._support = {}
-            for feature, (msgs, gen, tools, marker) in TOOL_PROBES.items():
-                said, raised = [], []
-                for form in CALL_FORMS if feature == "tool calls" else CALL_FORMS[:1]:
-                    try:
-                        text = self._render(in_form(msgs, form), gen, tools)
-                    except Exception as e:  # noqa: BLE001 - a template that raises on it does not render it either
-                        raised.append(f"it raised {type(e).__name__}: {' '.join(str(e).split())[:160]}")
-                        continue
-                    if marker not in text:
-                        said.append("its text leaves them out")
-                    elif repr(_PROBE_ARGUMENTS) in text:
-                        said.append("it prints a call's arguments as a Python dict")
-                    else:
-                        self._support[feature] = None
-                        if feature == "tool calls":
-                            self._call_form = form
-                        break
-                else:  # what it does in a form it accepts is the truth about it; else its first error
-                    self._support[feature] = (said or raised)[0]
+            self._support, self._call_form = tool_support(self.tok, self._render)
         return self._support
 
     def require(self, features: list[str], where: str) -> None:

@@ -27,7 +27,8 @@ from ..layout import layout
 from ..quant_types import QUANT_TYPES
 from . import time as timemodel
 from .disk import disk_events, held, world_size_change
-from .memory import GiB, ModelConfigError, _attention_has_mask, memory_breakdown, model_shape
+from .flops import flops_per_step
+from .memory import GiB, ModelConfigError, memory_breakdown, model_shape
 from .phases import phase_plan, replay_plan
 
 
@@ -133,10 +134,10 @@ SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write rate to shared storage, all r
 
 def _preemption(r: Recipe, time: dict, disk: dict) -> dict:
     """What a time limit or a kill costs under slurm/finetune.sbatch. At a time limit the workers stop at a step
-    boundary with a commit when the next step + save + margin would not fit (checkpoint.out_of_time): no trained
+    boundary with a commit when the next step + save + margin would not fit (stopping.out_of_time): no trained
     step is lost, up to that much of the allocation goes unused. A kill without warning loses the steps since
     the last save. The USR1 lead must cover at least one save (the step in flight is finished first)."""
-    from ..checkpoint import seconds_needed
+    from ..stopping import seconds_needed
 
     step = time["seconds_per_step"]
     save = disk["checkpoint_bytes"] / SAVE_BYTES_PER_S
@@ -146,40 +147,6 @@ def _preemption(r: Recipe, time: dict, disk: dict) -> dict:
             "signal_lead_s": 60 * math.ceil(seconds_needed(0, save) / 60)}
 
 
-def attention_kind(attention: str, packing: bool, micro: int) -> str:
-    """What the attention kernel computes per row. "per_document": sdpa_docs (attention.py) on packed rows, SDPA's
-    causal kernel once per document; "varlen": flash_attention_2 with sequence boundaries; both compute each
-    document's own triangle (sum of d^2 / 2 per row). "causal": SDPA/eager with no mask: SDPA takes its is_causal
-    path and skips the upper triangle (unpacked rows; sdpa_docs on them: one document per row). "dense": SDPA/eager
-    given a (micro, 1, S, S) mask (packed rows under `sdpa`, padded micro-batches): no is_causal, so the
-    memory-efficient kernel visits every key tile of all S x S, twice the causal work (transformers 5.23
-    integrations/sdpa_attention.py:159 `is_causal = q_length > 1 and attention_mask is None and is_causal`; torch
-    2.13 nn/functional.py:6471, SDPA refuses attn_mask together with is_causal)."""
-    if attention == "flash_attention_2":
-        return "varlen"
-    if attention == "eager":
-        return "dense"  # eager always multiplies out all S x S scores and masks them afterwards
-    if _attention_has_mask(attention, packing, micro):
-        return "dense"
-    return "per_document" if attention == "sdpa_docs" and packing else "causal"
-
-
-# The span a token attends over with per-document attention (sum of d^2 / sum of d, attention_span in the data
-# manifest) before `make data` has measured it: 1,024 tokens. bench_data.py's chat set (log-normal turns, p50 389,
-# p99 1,646 tokens with the Llama-3.1 template) measures 786 at 2K-16K rows, padding included (bench/bench_attention.py
-# prints it); rounded up to a power of two because users' chats with long system prompts or tool schemas run longer.
-ASSUMED_ATTENTION_SPAN = 1024
-
-
-def attention_span(docs: dict | None, seq: int) -> tuple[float, str]:
-    """(span, where it comes from) for per-document attention at rows of `seq` tokens: the prepared data's own when
-    it was prepared at this seq_len (docs: _doc_lengths), else the assumption (capped by the row)."""
-    if docs and docs.get("attention_span") and docs.get("seq_len") == seq:
-        return float(docs["attention_span"]), "the prepared data's documents (data manifest attention_span)"
-    return float(min(seq, ASSUMED_ATTENTION_SPAN)), (f"assumed: documents spanning {ASSUMED_ATTENTION_SPAN:,} tokens "
-                                                     "per token (run make data to measure yours)")
-
-
 def _doc_lengths(r: Recipe) -> dict | None:
     """The prepared data's document lengths (p50, p99, ...), its attention span and the seq_len it was packed at."""
     man = mf.read(layout(r).data_manifest)
@@ -187,28 +154,6 @@ def _doc_lengths(r: Recipe) -> dict | None:
         return None
     return {**(man.get("doc_length") or {}), "attention_span": man.get("attention_span"),
             "seq_len": (man.get("packing") or {}).get("seq_len")}
-
-
-def _flops(r, shape, seq, micro: int, attention: str, docs: dict | None) -> dict:
-    """FLOPs per optimizer step, counting all executed FLOPs.
-
-    Attention per token per layer, forward: 2 x S x q_dim for causal (QK^T and PV over half the matrix),
-    4 x S x q_dim with a dense mask (the whole matrix), 2 x D x q_dim per document (varlen, per_document), where D is
-    the token-weighted span sum(d^2) / sum(d) (attention_span). x3 for forward + backward, x4 with recompute.
-    Unpacked rows hold one document each, so S is the document length there too (the prepared data's median)."""
-    T, N, L = r.train.global_batch_tokens, shape.n_params, shape.layers
-    ckpt = r.train.gradient_checkpointing
-    dense = 6 * N * T
-    recompute = 2 * N * T if ckpt else 0
-    kind = attention_kind(attention, r.data.packing, micro)
-    doc = min(seq, docs["p50"]) if docs and docs.get("p50") else seq
-    span_of, span_from = (attention_span(docs, seq) if kind in ("varlen", "per_document") else (None, None))
-    span = {"varlen": 2 * (span_of or 0), "per_document": 2 * (span_of or 0), "causal": 2 * (seq if r.data.packing else doc),
-            "dense": 4 * (seq if r.data.packing else doc)}[kind]
-    attention = (4 if ckpt else 3) * span * shape.q_dim * L * T
-    return {"flops_per_step": dense + recompute + attention, "flops_dense": dense, "flops_recompute": recompute,
-            "flops_attention": attention, "attention_kind": kind, "attention_span": span_of,
-            "attention_span_from": span_from}
 
 
 def _zero_settings(zero: dict | None) -> dict:
@@ -224,7 +169,7 @@ def _step_time(r, shape, g, gpu_name, seq, world, micro: int, attention: str, do
                save_s: float = 0.0, cluster: str | None = None, hpz: int | None = None) -> dict:
     """FLOPs per optimizer step and the time it takes: compute at the assumed MFU (the kernels' efficiency
     alone) + the communication it cannot hide + the optimizer step + fixed costs (planner/time.py)."""
-    out = _flops(r, shape, seq, micro, attention, docs)
+    out = flops_per_step(r, shape, seq, micro, attention, docs)
     mfu = r.plan.mfu or hardware.GPUS[gpu_name].default_mfu
     out.update(mfu=mfu, seconds_per_step=None)
     if not (mfu and g.peak_tflops):

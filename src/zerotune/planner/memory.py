@@ -345,9 +345,7 @@ NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4-bit codes + double-quantized absmax (
 
 def peft_trainable_params(m: ModelShape, r: int, targets: list, modules_to_save: list) -> int:
     """LoRA A and B (r x (in + out)) on every targeted linear of every layer, plus fully trained modules."""
-    from ..peft_utils import check_targets
-
-    check_targets(targets, m.fam)  # a name that is not a linear of this family: refused, not left uncounted
+    m.fam.check_lora_targets(targets)  # a name that is not a linear of this family: refused, not left uncounted
     names = list(_LORA_DIMS) if list(targets) == ["all-linear"] else list(targets)
     n = m.layers * sum(r * sum(_LORA_DIMS[t](m)) for t in names)
     return n + sum(m.vocab * m.hidden for t in modules_to_save if t in ("embed_tokens", "lm_head"))

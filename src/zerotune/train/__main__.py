@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     role, run = argv[0], Path(argv[1])
     from ..quiet import silence_known_noise
 
-    # every role, torchrun's too: it imports transformers' callbacks (checkpoint.py), hence peft and bitsandbytes,
+    # every role, torchrun's too: it imports transformers' callbacks (stopping.py), hence peft and bitsandbytes,
     # whose import logs a warning on CPUs with AVX512-BF16 (quiet.py)
     silence_known_noise()
     if role == "torchrun":

@@ -5,7 +5,9 @@
     workers (rank 0) -> launcher   Stopped    train/stopped.json            stopped early: at which step, why,
                         and sbatch                                          whether a checkpoint was committed
 
-A user error on a worker travels by errors.py's own handoff (train/error*.json).
+A user error on a worker travels by errors.py's own handoff (train/error*.json). A committed checkpoint carries
+its own record, written by rank 0 and read by the next attempt: checkpoint.py's CommitMarker
+(checkpoint-N/zerotune_commit.json), and universal.py's Conversion for its world-size conversion.
 """
 
 from __future__ import annotations

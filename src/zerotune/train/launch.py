@@ -16,7 +16,7 @@ from .. import errors
 from .. import manifest as mf
 from ..config import Recipe, resolve_path
 from ..data.cache import load_tokenizer, require_prepared
-from ..layout import layout
+from ..layout import layout, write_resolved_recipe
 from ..ports import free_port
 from .handoff import Outcome
 
@@ -74,7 +74,7 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
     if world is not None:
         universal.prepare(r, world, free_needed=plan.disk["needed_free_bytes"])
     materialise_base(r)
-    mf.write_resolved_recipe(layout(r).train, r)  # layout(r).run_recipe: what the workers and finalize read
+    write_resolved_recipe(layout(r).train, r)  # layout(r).run_recipe: what the workers and finalize read
     layout(r).stopped.unlink(missing_ok=True)  # how the workers end is read after they do: only theirs may be there
     errors.clear_handoffs(layout(r).train)
 
@@ -101,7 +101,7 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
 
 def _say_outcome(r: Recipe, o: Outcome) -> int:
     """What the workers' exit means, in one line: stopped (REQUEUE_EXIT: run again to resume), a user error (2), a failure."""
-    from ..checkpoint import REQUEUE_EXIT
+    from ..stopping import REQUEUE_EXIT
 
     stopped, rc = o.stopped, o.rc
     if stopped:

@@ -20,7 +20,7 @@ def run_torchrun(run_dir: Path, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
-    from ..checkpoint import REQUEUE_EXIT
+    from ..stopping import REQUEUE_EXIT
 
     run = RunLayout(Path(run_dir))
 

@@ -17,10 +17,9 @@ from pathlib import Path
 
 from .. import batch as batchmod
 from .. import attention, families, hardware, peft_utils, quiet
-from .. import manifest as mf
 from ..config import Recipe
 from ..data.cache import load_tokenizer, require_prepared
-from ..layout import layout
+from ..layout import RunLayout, layout
 from ..verify import model_dtype, probe_inputs
 from .args import collate_packed, make_collate_padded, total_steps, training_arguments
 from .handoff import Probe, RunRecord, Stopped
@@ -37,7 +36,7 @@ def worker(r: Recipe) -> None:
     finalize reloads the 4-bit base on the same GPU; an optimizer offload pins host RAM)."""
     import weakref
 
-    from ..checkpoint import StopOnSignal
+    from ..stopping import StopOnSignal
 
     stop = StopOnSignal()  # first: a SIGUSR1 while loading must be remembered, not kill the process
     run = setup(r)
@@ -58,7 +57,9 @@ def worker(r: Recipe) -> None:
 
 @dataclass
 class Run:
-    """What every step of the worker shares: this rank, the hardware choice, the batch plan and the data."""
+    """What every step of the worker shares: where the run's files are, this rank, the hardware choice, the batch
+    plan and the data."""
+    paths: RunLayout  # layout(r), built once
     rank: int
     world: int
     gpu: hardware.GPU
@@ -94,10 +95,11 @@ def setup(r: Recipe) -> Run:
     from datasets import load_from_disk
 
     from .. import universal
-    from ..checkpoint import MARKER, last_committed
+    from ..checkpoint import CommitMarker, last_committed
 
+    paths = layout(r)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    resume = last_committed(layout(r).checkpoints, quiet=True)
+    resume = last_committed(paths.checkpoints, quiet=True)
     saved, folder = universal.needed(resume, world), None  # another world size wrote it: before anything is loaded
     if saved is not None:
         universal.check(r, resume, saved, world)
@@ -109,11 +111,11 @@ def setup(r: Recipe) -> Run:
         if rank == 0:
             print("finetune: WANDB_API_KEY not set: wandb logs offline to ./wandb", flush=True)
     gpu = hardware.detect()
-    family = model_family(r)  # an unknown architecture stops here, before any weight is read
+    family = model_family(paths.base)  # an unknown architecture stops here, before any weight is read
     choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger, family=family)
     data_manifest = require_prepared(r)
     bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
-    train_ds = load_from_disk(str(layout(r).data_train))
+    train_ds = load_from_disk(str(paths.data_train))
     steps = total_steps(len(train_ds), bp, r)
     args = training_arguments(r, bp, choice, gpu.capability is not None, steps,  # before the model: zero.Init
                               load_universal=saved is not None)
@@ -128,14 +130,14 @@ def setup(r: Recipe) -> Run:
         # accelerate's plugin says GA 1 under DeepSpeed and takes the config's: harmless when that is ours
         quiet.drop_log("accelerate.accelerator", f"GradientAccumulationPlugin has 1, DeepSpeed config has {bp.grad_accum}.")
     collate = collate_packed if r.data.packing else make_collate_padded(data_manifest["pad_token_id"])
-    run = Run(rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate, folder, saved, family)
+    run = Run(paths, rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate, folder, saved, family)
 
     run.say(f"{gpu.name}, world size {world}, {choice.describe()}; " + "; ".join(choice.reasons))
     if run.on_gpu:  # a wheel without this GPU's sm fails at its first kernel
         run.say(f"torch {torch.__version__} (CUDA {torch.version.cuda}) kernels for {torch.cuda.get_arch_list()}")
     run.say(f"{bp.describe()}; {steps} optimizer steps ({len(train_ds)} sequences, {bp.sequences_per_step} per step)")
     if saved is not None:
-        was = (mf.read(resume / MARKER) or {}).get("grad_accum")  # older markers: the same batch at the old world
+        was = CommitMarker.read(resume).grad_accum  # None in older markers: the same batch at the old world
         was = was or batchmod.derive(bp.global_batch_tokens, bp.seq_len, bp.micro_batch_size, saved).grad_accum
         run.say(f"world size {saved} -> {world}: DeepSpeed loads {resume.name}'s universal conversion ({folder}); "
                 f"grad-accum {was} -> {bp.grad_accum}, the global batch of {bp.global_batch_tokens:,} tokens and "
@@ -146,11 +148,11 @@ def setup(r: Recipe) -> Run:
     return run
 
 
-def model_family(r: Recipe) -> families.Family:
+def model_family(base: Path) -> families.Family:
     """The base model's family from its config.json alone (a hub id: the config in the HF cache)."""
     from transformers import AutoConfig
 
-    return families.of_config(AutoConfig.from_pretrained(str(layout(r).base)))
+    return families.of_config(AutoConfig.from_pretrained(str(base)))
 
 
 def load_model(r: Recipe, run: Run):
@@ -165,7 +167,7 @@ def load_model(r: Recipe, run: Run):
         run.say(f"liger: {run.family.liger}({', '.join(f'{k}={v}' for k, v in run.family.liger_kernels.items())})")
     load_kw = {"dtype": model_dtype(run.choice.precision),
                **peft_utils.load_kwargs(r, run.on_gpu, run.choice.precision)}
-    model = AutoModelForCausalLM.from_pretrained(str(layout(r).base),
+    model = AutoModelForCausalLM.from_pretrained(str(run.paths.base),
                                                  attn_implementation=attention.load_name(run.choice.attention),
                                                  **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
@@ -198,21 +200,19 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     from transformers import Trainer
 
     from .. import ds_config, faults
-    from ..checkpoint import CommitCheckpoints, EndAtLastStep
+    from ..checkpoint import CommitCheckpoints
     from ..evaluation import EvalDuringTraining
     from ..metrics import StepMetrics, flops_per_token
     from ..safety import SafetyChecks
+    from ..stopping import EndAtLastStep
 
     cfg = model.config
     tokens = run.data_manifest["tokens"]
     safety = SafetyChecks()
-    metrics = StepMetrics(layout(r).metrics, run.bp.global_batch_tokens, tokens["train_label"] / max(1, tokens["train_total"]),
+    metrics = StepMetrics(run.paths.metrics, run.bp.global_batch_tokens, tokens["train_label"] / max(1, tokens["train_total"]),
                           flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
                           hardware.peak_tflops(run.gpu, run.choice.precision), run.world, safety=safety)
-    bp = run.bp
-    commit = CommitCheckpoints(r.train.save_total_limit, {
-        "global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
-        "micro_batch_size": bp.micro_batch_size, "grad_accum": bp.grad_accum})
+    commit = CommitCheckpoints(r.train.save_total_limit, run.bp)
     trainer = Trainer(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
                       # safety before metrics: a step or loss that stops the run is judged before it is logged;
                       # validation after CommitCheckpoints: a step is committed before it is validated
@@ -237,14 +237,14 @@ def choose_resume(r: Recipe, run: Run, metrics):
     """The newest committed checkpoint (None: from the start); rank 0 drops later checkpoints and metric rows."""
     from ..checkpoint import discard_after, last_committed, step_of
 
-    resume = last_committed(layout(r).checkpoints, quiet=run.rank != 0)
+    resume = last_committed(run.paths.checkpoints, quiet=run.rank != 0)
     run.barrier()  # every rank has chosen before rank 0 removes anything
     if run.rank == 0:
-        layout(r).train.mkdir(parents=True, exist_ok=True)
-        layout(r).stopped.unlink(missing_ok=True)
-        discard_after(layout(r).checkpoints, resume)
+        run.paths.train.mkdir(parents=True, exist_ok=True)
+        run.paths.stopped.unlink(missing_ok=True)
+        discard_after(run.paths.checkpoints, resume)
         if resume is None:  # a fresh start: no earlier run's failed validation may excuse this run's
-            layout(r).validation_failed.unlink(missing_ok=True)
+            run.paths.validation_failed.unlink(missing_ok=True)
         metrics.rewind(step_of(resume) if resume else 0)
         if resume:
             run.say(f"resuming from committed checkpoint {resume}")
@@ -255,8 +255,8 @@ def choose_resume(r: Recipe, run: Run, metrics):
 def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
     """trainer.train; returns the seconds it took. A signal or the deadline ends the process here with
     REQUEUE_EXIT after writing stopped.json (a committed checkpoint, or none before the first step)."""
-    from ..checkpoint import (REQUEUE_EXIT, StopBeforeTraining, TrainingComplete, describe_failure, last_committed,
-                              step_of)
+    from ..checkpoint import describe_failure, last_committed, step_of
+    from ..stopping import REQUEUE_EXIT, StopBeforeTraining, TrainingComplete
 
     if run.universal is not None and run.universal.parent != resume:  # setup and choose_resume read the same files
         raise RuntimeError(f"resuming {resume}, but setup prepared {run.universal}")
@@ -271,14 +271,14 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
         run.say(f"{e}: stopping without a new checkpoint; a rerun resumes from {resume or 'the beginning'}")
         if run.rank == 0:
             Stopped(step_of(resume) if resume else 0, stop.requested, str(resume) if resume else None,
-                    committed=False).write(layout(r).stopped)
+                    committed=False).write(run.paths.stopped)
         run.barrier()
         sys.exit(REQUEUE_EXIT)
     except Exception as e:
         from ..safety import scaler_gave_up
 
         # every rank says it: the rank that failed first may be the only one left to print anything
-        print(f"[rank {run.rank}] " + describe_failure(e, layout(r).checkpoints, commit.saving), file=sys.stderr,
+        print(f"[rank {run.rank}] " + describe_failure(e, run.paths.checkpoints, commit.saving), file=sys.stderr,
               flush=True)
         fp16 = scaler_gave_up(e)
         if fp16 is not None:
@@ -286,8 +286,8 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
         raise
     if stop.stopped_at is not None:
         if run.rank == 0:
-            Stopped(stop.stopped_at, stop.reason, str(last_committed(layout(r).checkpoints)),
-                    committed=True).write(layout(r).stopped)
+            Stopped(stop.stopped_at, stop.reason, str(last_committed(run.paths.checkpoints)),
+                    committed=True).write(run.paths.stopped)
         run.barrier()
         sys.exit(REQUEUE_EXIT)
     return time.time() - t0
@@ -304,7 +304,7 @@ def save_for_finalize(r: Recipe, run: Run, trainer, n_params: int, n_trainable: 
         trainer.model_wrapped.eval()
         ref_logits = trainer.model_wrapped(**probe, use_cache=False).logits  # use_cache=False as finalize
         ref_logits = ref_logits.to(model_dtype(run.choice.precision)).cpu()
-    tmp = layout(r).model_staging
+    tmp = run.paths.model_staging
     if run.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     run.barrier()
@@ -314,13 +314,11 @@ def save_for_finalize(r: Recipe, run: Run, trainer, n_params: int, n_trainable: 
         load_tokenizer(r).save_pretrained(tmp)
         Probe({k: v.cpu() for k, v in probe.items()}, ref_logits, n_params, run.choice.precision,
               n_trainable, run.choice.attention).save(tmp)
-        bp = run.bp
         RunRecord(world_size=run.world, device=run.gpu.name, data_fingerprint=run.data_manifest["fingerprint"],
                   choice={"precision": run.choice.precision, "attention": run.choice.attention,
                           "liger": run.choice.liger},
-                  batch={"global_batch_tokens": bp.global_batch_tokens, "seq_len": bp.seq_len,
-                         "micro_batch_size": bp.micro_batch_size, "grad_accum": bp.grad_accum},
-                  steps=run.steps, elapsed_s=round(elapsed, 1), base=str(layout(r).base)).write(layout(r).run_json)
+                  batch=run.bp.record(),
+                  steps=run.steps, elapsed_s=round(elapsed, 1), base=str(run.paths.base)).write(run.paths.run_json)
     # What kept the trained model alive after training (issue 19): ZeRO-3's per-parameter gradient hooks
     # (deepspeed/runtime/zero/stage3.py:1525 -> deepspeed/utils/torch.py:42, register_post_accumulate_grad_hook)
     # live in a dict that torch stores on the C++ tensor (torch/_tensor.py:755-764), which gc does not traverse;
