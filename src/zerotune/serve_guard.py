@@ -388,14 +388,12 @@ class ModelFacts:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         eos, bos = llm.token_eos(), llm.token_bos()
         # built exactly as Llama.__init__ builds the "chat_template.default" handler's formatter (llama.py)
-        self.formatter = Jinja2ChatFormatter(
-            template=llm.metadata["tokenizer.chat_template"],
-            eos_token=llm._model.token_get_text(eos) if eos != -1 else "",
-            bos_token=llm._model.token_get_text(bos) if bos != -1 else "", stop_token_ids=[eos])
+        text = {t: llm._model.token_get_text(t) if t != -1 else "" for t in (eos, bos)}
+        self.formatter = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"], eos_token=text[eos],
+                                             bos_token=text[bos], stop_token_ids=[eos])
 
     def grammar_parses(self, grammar) -> bool:
         import llama_cpp
-
         sampler = llama_cpp.llama_sampler_init_grammar(self.vocab, grammar._grammar.encode("utf-8"),
                                                        grammar._root.encode("utf-8"))
         if not sampler:
