@@ -131,7 +131,8 @@ def test_gguf_checks_reads_the_chat_template_facts_without_the_data_package():
 BASE_IMPORTS = {
     "errors": set(), "quant_types": set(), "ports": set(), "scorers": set(), "chat_template": set(),
     "hardware": {"errors"}, "families": {"errors"},  # a family is handed to hardware.choose, not imported there
-    "config": {"errors", "hardware", "quant_types", "scorers"},  # the tables the schema validates against
+    # the tables the schema validates against
+    "config": {"errors", "hardware", "quant_types", "scorers", "data.formats"}, "data.formats": {"errors"},
     "layout": {"config"},
     "manifest": set(),
 }
