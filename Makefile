@@ -53,7 +53,7 @@ eval: setup  ## base vs fine-tuned HF vs GGUF on every eval.sets set -> runs/<r>
 serve: setup  ## OpenAI-compatible server over the GGUF on 127.0.0.1
 	$(ZT) serve $(RECIPE) $(OVERRIDES)
 
-demo: setup  ## the whole chain on CPU: prepare -> finetune -> quantize -> eval -> check (check reuses eval's answers) (last line: JSON summary)
+demo: setup  ## the whole chain on CPU: data -> finetune -> quantize -> eval -> check (check reuses eval's answers) (last line: JSON summary)
 	$(ZT) data $(RECIPE) $(OVERRIDES)
 	$(ZT) finetune $(RECIPE) $(OVERRIDES)
 	$(ZT) quantize $(RECIPE) $(OVERRIDES)

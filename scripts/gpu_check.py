@@ -27,7 +27,7 @@ prediction where it has one. The table is printed and written as JSON (--out). E
   zero3_1b         a Llama-3.2-1B-shaped model (random init) through the repo's training path (hardware.choose,
                    train/args.py training_kwargs, ds_config.build, HF Trainer + DeepSpeed ZeRO-3, gradient
                    checkpointing, Liger, fp16 below sm80 else bf16, sdpa with packed rows) at each --seq, per phase:
-                   train (optimizer steps at GA 2), validation (evaluation.nll_sum with Liger's fused loss), samples
+                   train (optimizer steps at GA 2), validation (validation.nll_sum with Liger's fused loss), samples
                    (generate 16 tokens after a seq-long prompt), save (the Trainer's checkpoint: 16-bit
                    consolidation + engine.save_checkpoint), resume (a fresh process resumes through
                    Trainer.train(resume_from_checkpoint=...) -> engine.load_checkpoint, as a requeued job does;
@@ -891,12 +891,12 @@ def _setup_1b(a, seed: int):
 
 
 def _val_loss(model, val, device, liger: bool) -> tuple[float, int]:
-    """zerotune.evaluation.nll_sum, the in-training validation, with Liger's fused loss (skip_logits=True: Liger's
+    """zerotune.train.validation.nll_sum, the in-training validation, with Liger's fused loss (skip_logits=True: Liger's
     forward materialises the full logits in eval mode otherwise, liger_kernel/transformers/model/llama.py:113-115).
     nll_sum takes `liger` and passes skip_logits itself where the repo has that; otherwise it is added here."""
     import inspect
 
-    from zerotune.evaluation import nll_sum
+    from zerotune.train.validation import nll_sum
 
     if "liger" in inspect.signature(nll_sum).parameters:
         total, count = nll_sum(model, val, device, liger=liger)
@@ -976,7 +976,7 @@ def check_zero3_1b(a) -> dict:
             ok = math.isfinite(loss) and count > 0
             info["val_loss"] = loss  # the resumed process must measure the same (check_zero3_1b_resume)
             rows.append(make_row(name, "ok" if ok else "FAIL",
-                                 f"evaluation.nll_sum{' with skip_logits (Liger fused loss)' if choice.liger else ''}, "
+                                 f"validation.nll_sum{' with skip_logits (Liger fused loss)' if choice.liger else ''}, "
                                  f"one {seq:,}-token packed row per forward, {N_VAL_ROWS} rows: loss {loss:.4f} "
                                  f"({count:,} label tokens)", **m.cols()))
     except Exception as e:
@@ -1005,7 +1005,7 @@ def check_zero3_1b(a) -> dict:
     except Exception as e:
         rows.append(_fail(name, e, m))
     finally:
-        model.config.use_cache = use_cache  # as evaluation.py restores it after generate()
+        model.config.use_cache = use_cache  # as train/validation.py restores it after generate()
         model.train()
 
     name = f"{tag}: save"

@@ -155,3 +155,33 @@ def test_docs_data_shows_a_row_of_every_format_that_reads_as_that_format():
     for name, row in shown:
         notes = read_row(json.loads(row), name, {}, f"docs/data.md ({name})").notes or {}
         assert not [k for k in notes if k.startswith(("row:", "message:"))], (name, notes)
+
+
+def test_every_description_of_the_demo_names_its_stages_in_the_makefiles_order():
+    """The demo's stage order is the Makefile's `demo` target (what runs); README, docs/, recipes, the Makefile's
+    own help and the package docstring say it one way (issue 43: it was written three ways)."""
+    make = (REPO / "Makefile").read_text()
+    recipe = make.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    order = re.findall(r"^\t\$\(ZT\) (\w+)", recipe, re.M)
+    assert order == ["data", "finetune", "quantize", "eval", "check"]
+    sources = [*DOCS, *sorted(RECIPES_DIR.glob("*.yaml")), REPO / "Makefile", REPO / "src" / "zerotune" / "__init__.py"]
+    seen = 0
+    for path in sources:
+        for chain in re.findall(r"\b(\w+(?: (?:->|→) \w+){3,})", path.read_text()):
+            stages = re.split(r" (?:->|→) ", chain)
+            if "quantize" not in stages or not set(stages) <= {*order, "prepare", "train", "serve"}:
+                continue  # another chain (a requeue rehearsal's), not the stages of the pipeline
+            seen += 1
+            shown = [s for s in stages if s != "serve"]  # the package docstring goes on to serving
+            assert shown == order, f"{path.relative_to(REPO)}: '{chain}' is not the demo's order {order}"
+    assert seen >= 6
+
+
+def test_the_module_table_names_every_module():
+    """docs/layout.md's module table names every module of src/zerotune (a package row may list its files)."""
+    text = (REPO / "docs" / "layout.md").read_text()
+    table = text[text.index("| module | what |"):]
+    pkg = REPO / "src" / "zerotune"
+    missing = [str(f.relative_to(pkg)) for f in sorted(pkg.rglob("*.py"))
+               if f.name not in ("__init__.py",) and f"`{f.name}`" not in table and f"`{f.relative_to(pkg)}`" not in table]
+    assert not missing, f"docs/layout.md's module table does not name {missing}"

@@ -1,4 +1,4 @@
-"""Evaluation during training (evaluation.py): validation loss under real ZeRO-3 on 2 CPU processes equals a
+"""Evaluation during training (train/validation.py): validation loss under real ZeRO-3 on 2 CPU processes equals a
 one-process computation, an evaluation in the middle of training leaves the training losses alone, samples are
 written. The unit tests at the top check the loss arithmetic itself against an independent cross entropy."""
 
@@ -40,7 +40,7 @@ def _rows(out: Path) -> list[dict]:
 
 @pytest.mark.parametrize("n,world", [(7, 2), (1, 2), (8, 2), (5, 3)])
 def test_shards_are_disjoint_complete_and_equal_length(n, world):
-    from zerotune.evaluation import shard
+    from zerotune.train.validation import shard
 
     shards = [shard(n, r, world) for r in range(world)]
     assert len({len(s) for s in shards}) == 1, "every rank must make the same number of forward calls"
@@ -53,7 +53,7 @@ def test_nll_sum_matches_independent_ce_and_dummy_adds_nothing(tiny_model_dir, t
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    from zerotune.evaluation import distributed_val_loss, nll_sum
+    from zerotune.train.validation import distributed_val_loss, nll_sum
 
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -82,7 +82,7 @@ def test_samples_are_answerings_greedy_answers_and_leave_the_model_as_training_h
 
     from zerotune.answering import eval_sets, hf_generate, load_hf, load_rows
     from zerotune.config import load_recipe
-    from zerotune.evaluation import EvalDuringTraining
+    from zerotune.train.validation import EvalDuringTraining
 
     r = load_recipe("tiny", [f"output_dir={tmp_path}"])
     es = eval_sets(r)[0]

@@ -49,7 +49,7 @@ def test_stored_probe_is_bounded_at_8b():
 def test_finalize_host_ram_of_the_qlora_merge_at_8b():
     from zerotune.planner.compute import compute_plan
     from zerotune.planner.report import format_plan
-    from zerotune.planner.finalize import INTERPRETER_BYTES
+    from zerotune.planner.finalize_ram import INTERPRETER_BYTES
 
     r = load_recipe("llama8b_qlora_t4")
     p = compute_plan(r)
@@ -144,7 +144,7 @@ def test_lora_finalize_in_fp16_on_cpu(tmp_path, tiny_model_dir):
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from zerotune.peft_utils import finalize_peft, lora_config
+    from zerotune.adapters import finalize_peft, lora_config
     from zerotune.train.handoff import Probe
 
     r = load_recipe("tiny_lora", [f"output_dir={tmp_path / 'run'}", "peft.modules_to_save=[]"])

@@ -72,7 +72,7 @@ PHASES = textwrap.dedent("""
     apply_liger_kernel_to_llama(rope=True, fused_linear_cross_entropy=True, rms_norm=False, swiglu=False,
                                 cross_entropy=False)
     from transformers import LlamaConfig, LlamaForCausalLM
-    from zerotune.evaluation import nll_sum
+    from zerotune.train.validation import nll_sum
     from zerotune.safety import liger_saved_head_grad
 
     S, V = 128, 2048

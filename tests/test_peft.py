@@ -42,13 +42,13 @@ def test_lora_linears_are_zero3_leaves():
     """Under ZeRO-3 each LoRA linear is hooked as one module (set_z3_leaf_modules), not as its five parts."""
     from peft.tuners.lora import Linear as LoraLinear
 
-    from zerotune import peft_utils
+    from zerotune import adapters
 
-    model, _, _ = peft_utils.wrap(_tiny(), load_recipe("tiny_lora"))
+    model, _, _ = adapters.wrap(_tiny(), load_recipe("tiny_lora"))
     lora = [m for m in model.modules() if isinstance(m, LoraLinear)]
     assert lora and all(getattr(m, "_z3_leaf", False) for m in lora)
     assert not any(getattr(m, "_z3_leaf", False) for m in model.modules() if not isinstance(m, LoraLinear))
-    plain, _, _ = peft_utils.wrap(_tiny(), load_recipe("tiny_lora", ["train.deepspeed=null"]))
+    plain, _, _ = adapters.wrap(_tiny(), load_recipe("tiny_lora", ["train.deepspeed=null"]))
     assert not any(getattr(m, "_z3_leaf", False) for m in plain.modules())
 
 
@@ -67,7 +67,7 @@ def test_lora_changes_only_adapters_reloads_and_merges(tmp_path):
     import torch
     from peft import PeftModel
 
-    from zerotune.peft_utils import lora_config
+    from zerotune.adapters import lora_config
 
     base = _tiny()
     base.save_pretrained(tmp_path / "base")
@@ -139,7 +139,7 @@ def test_adapter_run_resumes_exactly_after_sigusr1(tmp_path, recipe):
 
 @pytest.mark.integration
 def test_lora_under_zero3_trains_without_gradient_checkpointing(tmp_path):
-    """LoRA linears are ZeRO-3 leaf modules (peft_utils.wrap). Without gradient checkpointing, which otherwise turns
+    """LoRA linears are ZeRO-3 leaf modules (adapters.wrap). Without gradient checkpointing, which otherwise turns
     on input gradients, the backward of DeepSpeed 0.19.8 then met a still-partitioned LoRA weight ("size of tensor
     a (0) must match ... (16)"; found by make bench): wrap turns input gradients on itself."""
     import math

@@ -10,12 +10,12 @@ terms exclude too). test_method_* checks the method on allocations of known size
 profiler reports the requested size; there is no caching-allocator rounding on CPU).
 
 What is compared, like for like:
-  validation  evaluation.nll_sum(model.eval(), rows, cpu, liger=False) under torch.no_grad(): the row tensors it
+  validation  validation.nll_sum(model.eval(), rows, cpu, liger=False) under torch.no_grad(): the row tensors it
               builds, the no-grad forward, the unfused HF loss (logits, fp32 upcast, log-softmax). Predicted: the
               validation phase's parts less the resident ones (model states, the step's micro-batches still
               bound) and the calibration margin.
   samples     tokenised prompt (input_ids + attention_mask of S tokens) + model.generate(greedy, KV cache,
-              a few new tokens), as evaluation._samples calls it. Predicted: the samples phase's parts less the
+              a few new tokens), as validation._samples calls it. Predicted: the samples phase's parts less the
               same resident terms and margin.
   replay      answering.hf_answers itself (self-distilled replay's generation, data/replay.py) on prompts of
               different lengths rendered by the real Llama-3.1 tokenizer, B per left-padded batch, so that the
@@ -184,7 +184,7 @@ def _predicted(c) -> dict:
 
 
 def _measured(c) -> dict:
-    from zerotune.evaluation import nll_sum
+    from zerotune.train.validation import nll_sum
 
     model = _model(c)
     S, V = c["seq"], c["vocab"]
@@ -195,7 +195,7 @@ def _measured(c) -> dict:
     rows = [{"input_ids": ids, "labels": ids, "position_ids": pos}]
 
     def samples():
-        prompt = torch.tensor([ids])  # what the tokenizer returns for the prompt (evaluation._samples)
+        prompt = torch.tensor([ids])  # what the tokenizer returns for the prompt (validation._samples)
         return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=c["new"],
                               do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None,
                               temperature=None, top_p=None, top_k=None)
@@ -277,7 +277,7 @@ def test_decoder_loop_keeps_the_embeddings_alive():
     """The same validation forward with a second layer peaks exactly e x T x h higher (the MLP block of layer 1
     holds inputs_embeds beside its own input), and the planner now predicts exactly that difference (it used
     to predict the same peak for both)."""
-    from zerotune.evaluation import nll_sum
+    from zerotune.train.validation import nll_sum
 
     one, two = _c(128, 1, 256, 448, 512), _c(128, 2, 256, 448, 512)
     ids = list(range(256))

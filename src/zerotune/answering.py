@@ -1,5 +1,5 @@
 """Answering held-out prompts, for every stage that needs answers: `zerotune check` and `zerotune eval`, the
-base model's replay answers (data/replay.py) and the samples during training (evaluation.py).
+base model's replay answers (data/replay.py) and the samples during training (train/validation.py).
 
 What is answered: the recipe's eval sets (eval_sets, load_rows). Who answers: the base model, the fine-tuned
 HF model and its GGUF, each greedily through the same chat template (score_models), one model in memory at a

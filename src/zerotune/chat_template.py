@@ -2,7 +2,7 @@
 
 - hf_end_tokens / stop_ids: where HF generation stops (generation_config's eos, the tokenizer's eos, the token
   that ends an assistant turn in the template). answering.py stops its greedy answers there (check, eval, data
-  replay and the samples during training, evaluation.py); gguf_checks.py demands the GGUF stops there too;
+  replay and the samples during training, train/validation.py); gguf_checks.py demands the GGUF stops there too;
   evaluate.py gives lm-eval the turn end as its stop string.
 - tool_support: which tool features (tool definitions, assistant tool calls, tool replies) the template renders,
   by probe conversations, and the form (CALL_FORMS) a tool-call turn must take for it; data/tokenize.py
@@ -52,7 +52,7 @@ def hf_end_tokens(tok, model_dir: Path) -> dict:
 def stop_ids(tok, model_dir: Path) -> list[int]:
     """The token ids greedy chat answers stop at: every HF end token and the template's end of turn
     (<|eot_id|> for Llama 3, <|im_end|> for ChatML), sorted. model_dir: a local folder (a hub id: its snapshot,
-    weights.local_folder), where generation_config.json is read."""
+    hub.local_folder), where generation_config.json is read."""
     ends = hf_end_tokens(tok, model_dir)
     return sorted(set(ends["eos_ids"]) | ({ends["turn_end_id"]} if ends["turn_end_id"] is not None else set()))
 

@@ -85,7 +85,7 @@ def _stage(args, r) -> int:
     _family_first(args, r)
     _banner(args, r)
     if args.stage == "fetch":
-        from .weights import fetch
+        from .hub import fetch
         return fetch(r)
     if args.stage == "data":
         from .data.prepare import prepare

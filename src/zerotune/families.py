@@ -5,7 +5,7 @@ before a weight is loaded, with the list of what is supported (`of_config`). Eve
 reads this table:
 
 - train/worker.py: the Liger patch (`apply_liger`), applied to the classes before the model is built;
-- peft_utils.py, planner/memory.py: the linears LoRA may target (`lora_targets`);
+- adapters.py, planner/memory.py: the linears LoRA may target (`lora_targets`);
 - planner/memory.py: the activation terms (q/k norms, Gemma 3's four fp32 norms per layer, sliding-window
   layers), derived from the config (tests/test_activation_memory.py measures each family);
 - hardware.choose: the precisions a family may train in on a GPU (`Family.precision_refusal`): Gemma 3 in fp16 is

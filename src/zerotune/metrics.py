@@ -297,7 +297,7 @@ def plot_curves(jsonl: Path, png: Path) -> None:
     a.plot([r["step"] for r in rows if "loss" in r], [r["loss"] for r in rows if "loss" in r], color="#4477aa",
            label="training")
     val = [r for r in rows if r.get("val_loss") is not None]
-    if val:  # validation loss (evaluation.py) sits in the rows of the steps it was measured at
+    if val:  # validation loss (train/validation.py) sits in the rows of the steps it was measured at
         a.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", color="#ee6677", label="validation")
         a.legend(fontsize=8)
     a.set_xlabel("optimizer step")

@@ -123,7 +123,7 @@ if os.environ.get("ZT_BREAKDOWN_DIR") and "RANK" in os.environ:
     Trainer.__init__ = __init__
 
 if os.environ.get("ZT_BREAKDOWN_LORA_LEAF") and "RANK" in os.environ:
-    from zerotune import peft_utils as _pu
+    from zerotune import adapters as _pu
     _wrap0 = _pu.wrap
 
     def _leaf_wrap(model, r):

@@ -116,7 +116,7 @@ def _weights_identity(r: Recipe) -> str:
     """Which base weights answer, cheaply: the resolved folder (a hub id's snapshot folder names its commit) and
     the name, size and mtime of its weight files."""
     from ..answering import _identity
-    from ..weights import local_folder
+    from ..hub import local_folder
 
     folder = local_folder(str(layout(r).base))
     return json.dumps([str(folder), _identity(Path(folder))])
@@ -125,7 +125,7 @@ def _weights_identity(r: Recipe) -> str:
 def _template_kwargs(r: Recipe) -> dict:
     """How the base model is prompted (families.base_template_kwargs: Qwen3 answers without reasoning)."""
     from ..families import base_template_kwargs, of_config
-    from ..weights import local_folder
+    from ..hub import local_folder
 
     return base_template_kwargs(of_config(Path(local_folder(str(layout(r).base)))))
 
@@ -159,7 +159,7 @@ def _device_and_dtype(family):
 def answer(r: Recipe, tok, prompts: list[dict], key: dict) -> dict:
     """The base model answers the prompts once; the conversations and their counts go to the cache."""
     from ..answering import hf_answers, load_hf
-    from ..weights import local_folder
+    from ..hub import local_folder
 
     from ..families import of_config
 

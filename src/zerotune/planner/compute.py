@@ -493,7 +493,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
 
 
 def _samples_gather_once(samples: dict, shape, choice, capacity: int, world: int) -> None:
-    """In-training samples under ZeRO-3 across ranks: gather the whole model once per round (evaluation.py, as TRL's
+    """In-training samples under ZeRO-3 across ranks: gather the whole model once per round (train/validation.py, as TRL's
     unwrap_model_for_generation does) when it fits beside the phase's own peak, instead of once per generated token.
     Where it fits, the phase holds the 16-bit model too; where it does not (one 8xV100 node at 8B), per-token
     gathers stay, over the node's NVLink. Sets samples["gather_once"] and adds its bytes to the phase."""
@@ -535,7 +535,7 @@ def _phases(r: Recipe, shape, choice, zero, g, gpn: int, world: int, capacity: i
     from ..answering import eval_sets
 
     peft = _peft(r, shape)
-    sets = eval_sets(r)  # in-training samples answer the first set's prompts (evaluation._sample_prompts)
+    sets = eval_sets(r)  # in-training samples answer the first set's prompts (validation._sample_prompts)
     seq, micro = r.data.seq_len, r.train.micro_batch_size
     return phase_plan(m=shape, train=train, precision=choice.precision, attention=choice.attention,
                       liger=choice.liger, packing=r.data.packing, zero=zero, world=world, gpus_per_node=gpn,

@@ -2,11 +2,11 @@
 instant, per GPU (or on the host where host RAM is what runs out), against what the device offers.
 
     train_step    forward + backward of one micro-batch (memory.memory_breakdown)
-    validation    the in-training eval loss: one no-grad forward per eval row of seq_len (evaluation.py nll_sum)
-    samples       greedy generate() with a KV cache on eval.samples prompts (evaluation.py _samples)
+    validation    the in-training eval loss: one no-grad forward per eval row of seq_len (train/validation.py nll_sum)
+    samples       greedy generate() with a KV cache on eval.samples prompts (train/validation.py _samples)
     save          a checkpoint: ZeRO-3 16-bit consolidation + each rank's optimizer shard (GPU; save_host: RAM)
     resume        DeepSpeed load_checkpoint of the ZeRO-3 optimizer shards (GPU; resume_host: RAM)
-    finalize      rank 0's CPU process that verifies and publishes the model (host RAM, planner/finalize.py)
+    finalize      rank 0's CPU process that verifies and publishes the model (host RAM, planner/finalize_ram.py)
     quantize      llama.cpp's convert_hf_to_gguf.py on the published 16-bit model (host RAM)
 
 Before the job, in the data step: `replay` (replay_plan), the base model answering data.replay's prompts in
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from . import calibration
-from .finalize import INTERPRETER_BYTES, finalize_host_bytes
+from .finalize_ram import INTERPRETER_BYTES, finalize_host_bytes
 from .memory import (GiB, ModelShape, _attention_has_mask, deepspeed_buffers, persistent_mask_bytes,
                      prefetched_batches_bytes, sub_group_size)
 
@@ -114,7 +114,7 @@ def nograd_layer_bytes(m: ModelShape, tokens: int, e: int, *, mask: tuple[int, i
 def eval_loss_bytes(m: ModelShape, tokens: int, e: int, fused: bool) -> tuple[int, str]:
     """Bytes of the output layer + loss for one eval forward of `tokens` tokens (no grad).
 
-    fused (Liger on; evaluation.nll_sum passes skip_logits=True): liger_kernel 0.8.5
+    fused (Liger on; validation.nll_sum passes skip_logits=True): liger_kernel 0.8.5
       transformers/model/llama.py:118-127 calls LigerForCausalLMLoss, whose ops/fused_linear_cross_entropy.py
       allocates grad_input = zeros_like(input) even without grad (:108), loss_1d in fp32 (:125) and one logits
       chunk of next_pow2(ceil(T / ceil(V / h))) rows x V (:103-104, :150-152); labels padded and shifted
@@ -237,7 +237,7 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
                                   f"forward + backward of {micro} x {seq:,} tokens (the breakdown above)",
                                   "see the training-step breakdown and suggestions"), "views": train["views"]}
 
-    # validation: evaluation.nll_sum, one row of <= seq tokens per forward, model.eval(), no grad, use_cache
+    # validation: validation.nll_sum, one row of <= seq tokens per forward, model.eval(), no grad, use_cache
     # False: packed position_ids give the block-causal mask (masking_utils.py:875-881) as in training.
     mask = _attention_has_mask(attention, packing, 1)
     docs = attention == "sdpa_docs"  # attention.py: per-document SDPA with k/v repeated to all heads

@@ -329,7 +329,7 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
     samples: greedy generation under ZeRO-3: a prefill of the prompt, then one forward per new token, and each of
       those gathers every parameter again (deepspeed 0.19.8 partitioned_param_coordinator.py ~494-499, 634-660:
       stage3_max_reuse_distance 1e9 < the parameters gathered per token, so nothing stays): at 8B, 16 GB per token.
-      gather_once: the whole model is gathered once for the round (evaluation.py, where the plan finds the memory
+      gather_once: the whole model is gathered once for the round (train/validation.py, where the plan finds the memory
       for it), then each token reads the local weights from HBM: decode is memory-bound.
     save: the checkpoint write (compute.SAVE_BYTES_PER_S). resume: reading it back (storage_read).
     finalize: rank 0 reads the consolidated model back and runs the verification probe on the CPU."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from .. import manifest as mf
-from .. import peft_utils
+from .. import adapters
 from ..config import Recipe
 from ..data.cache import load_tokenizer
 from ..layout import layout
@@ -35,8 +35,8 @@ def finalize(r: Recipe) -> dict:
     paths = layout(r)
     tmp, out = paths.model_staging, paths.model
     ref = Probe.load(tmp)
-    if peft_utils.enabled(r):
-        report = peft_utils.finalize_peft(r, tmp, out, ref, paths.base, lambda p: load_tokenizer(r).save_pretrained(p))
+    if adapters.enabled(r):
+        report = adapters.finalize_peft(r, tmp, out, ref, paths.base, lambda p: load_tokenizer(r).save_pretrained(p))
     else:
         report = verify_saved_model(tmp, ref.n_params, ref.probe, ref.logits, ref.precision, ref.attention)
         Probe.discard(tmp)

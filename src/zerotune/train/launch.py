@@ -58,7 +58,7 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
     from ..checkpoint import last_committed
     from ..planner.compute import compute_plan
     from ..planner.gate import disk_preflight, preflight
-    from ..weights import require_weights
+    from ..hub import require_weights
 
     require_weights(r)  # on this node, offline: the workers never download (`zerotune fetch` does, beforehand)
     require_prepared(r)  # fail here, in seconds, not after the launch

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import batch as batchmod
-from .. import attention, families, hardware, peft_utils, quiet
+from .. import attention, families, hardware, adapters, quiet
 from ..config import Recipe
 from ..data.cache import load_tokenizer, require_prepared
 from ..layout import RunLayout, layout
@@ -119,8 +119,8 @@ def setup(r: Recipe) -> Run:
     steps = total_steps(len(train_ds), bp, r)
     args = training_arguments(r, bp, choice, gpu.capability is not None, steps,  # before the model: zero.Init
                               load_universal=saved is not None)
-    if peft_utils.enabled(r):
-        peft_utils.set_optim(args, r)
+    if adapters.enabled(r):
+        adapters.set_optim(args, r)
     if args.deepspeed:
         # zero.Init (inside from_pretrained) reads the world size from deepspeed.comm, which the Trainer
         # does not set up under use_cpu=True: without this it sees world 1 and rejects the batch config.
@@ -166,7 +166,7 @@ def load_model(r: Recipe, run: Run):
         families.apply_liger(run.family)
         run.say(f"liger: {run.family.liger}({', '.join(f'{k}={v}' for k, v in run.family.liger_kernels.items())})")
     load_kw = {"dtype": model_dtype(run.choice.precision),
-               **peft_utils.load_kwargs(r, run.on_gpu, run.choice.precision)}
+               **adapters.load_kwargs(r, run.on_gpu, run.choice.precision)}
     model = AutoModelForCausalLM.from_pretrained(str(run.paths.base),
                                                  attn_implementation=attention.load_name(run.choice.attention),
                                                  **load_kw)
@@ -175,8 +175,8 @@ def load_model(r: Recipe, run: Run):
         gather_lm_head_with_model(model)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())  # ZeRO-3 shards
     n_trainable = None
-    if peft_utils.enabled(r):
-        model, n_trainable, n_all = peft_utils.wrap(model, r)
+    if adapters.enabled(r):
+        model, n_trainable, n_all = adapters.wrap(model, r)
         run.say(f"peft {r.peft.method} r={r.peft.r} alpha={r.peft.alpha} on {r.peft.target_modules}"
                 f"{' + full ' + str(r.peft.modules_to_save) if r.peft.modules_to_save else ''}: "
                 f"{n_trainable:,} trainable of {n_all:,} parameters ({100 * n_trainable / n_all:.3f}%)")
@@ -201,7 +201,7 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
 
     from .. import ds_config, faults
     from ..checkpoint import CommitCheckpoints
-    from ..evaluation import EvalDuringTraining
+    from .validation import EvalDuringTraining
     from ..metrics import StepMetrics, flops_per_token
     from ..safety import SafetyChecks
     from ..stopping import EndAtLastStep

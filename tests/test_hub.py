@@ -22,7 +22,7 @@ import pytest
 
 from zerotune.config import RECIPES_DIR, load_recipe
 from zerotune.errors import UserError
-from zerotune.weights import is_hub_id, require_weights
+from zerotune.hub import is_hub_id, require_weights
 
 REPO = Path(__file__).resolve().parents[1]
 REPO_ID = "org/model"
@@ -84,7 +84,7 @@ def test_the_hand_built_cache_is_what_huggingface_hub_reads(hf_home):
 def test_a_hub_id_is_read_from_its_snapshot(hf_home, tmp_path):
     """What reads a model's own files by path (the samples' stop ids read generation_config.json) finds a hub
     id's snapshot in the cache; a folder stays itself."""
-    from zerotune.weights import local_folder
+    from zerotune.hub import local_folder
 
     snapshot = cache_repo(hf_home)
     assert local_folder(REPO_ID) == snapshot

@@ -33,9 +33,9 @@ import time
 
 from transformers import TrainerCallback
 
-from . import manifest as mf
-from .config import Recipe
-from .layout import layout
+from .. import manifest as mf
+from ..config import Recipe
+from ..layout import layout
 
 
 def _dist():
@@ -255,10 +255,10 @@ class EvalDuringTraining(TrainerCallback):
 
 def _sample_prompts(r: Recipe):
     """(rows, eval set, tokenizer, stop ids) for the in-training samples: the first eval set's first rows."""
-    from .answering import eval_sets, load_rows
-    from .chat_template import stop_ids
-    from .data.prepare import load_tokenizer
-    from .weights import local_folder
+    from ..answering import eval_sets, load_rows
+    from ..chat_template import stop_ids
+    from ..data.cache import load_tokenizer
+    from ..hub import local_folder
 
     sets = eval_sets(r)
     if not sets:

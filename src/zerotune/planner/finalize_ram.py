@@ -1,4 +1,4 @@
-"""Host RAM of finalize (train.finalize, peft_utils.finalize_peft): the peak on rank 0's node after training.
+"""Host RAM of finalize (train.finalize, adapters.finalize_peft): the peak on rank 0's node after training.
 
 Finalize runs after the trainer is freed and the other ranks have exited, in one CPU process that holds
 the model in the training dtype (`verify.model_dtype`). It keeps one copy of the model at a time: the
