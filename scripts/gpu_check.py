@@ -51,10 +51,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-try:
-    import zerotune  # noqa: F401  (installed into .venv by make setup)
-except ImportError:  # run from a checkout without the editable install
-    sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "src"))  # this checkout's zerotune, whichever one the environment has installed
 from zerotune.emulation import TARGETS  # noqa: E402
 
 WORKER = Path(__file__).resolve().with_name("gpu_check_worker.py")  # what runs in each check's own process
