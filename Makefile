@@ -35,7 +35,7 @@ inspect: setup  ## print prepared sequences as training sees them, labels highli
 plan: setup  ## memory, batch and time plan for the recipe's target cluster
 	$(ZT) plan $(RECIPE) $(OVERRIDES)
 
-gpu-check:  ## on a CUDA GPU: run the GPU-only paths for real beside the plan (no GPU: says so, exits 0); ARGS="--seq 2048" etc.
+gpu-check:  ## on a CUDA GPU: run the GPU-only paths for real as a V100 would, beside the plan (no GPU: says so, exits 0); ARGS="--quick", "--as native" etc.
 	$(PY) scripts/gpu_check.py $(ARGS)
 
 finetune: setup  ## train with DeepSpeed ZeRO-3 (one process per GPU, or train.cpu_procs on CPU)

@@ -114,7 +114,15 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     if attention_mask is not None or query.shape[2] != key.shape[2]:
-        # a padded batch or a KV cache: one document per row, SDPA exactly as attn_implementation="sdpa" runs it
+        # a padded batch or a KV cache: one document per row, SDPA as attn_implementation="sdpa" runs it, except
+        # that no call asks for enable_gqa (transformers sets it whenever no mask is given; on sm70 and CPU only
+        # the math kernel takes it): a decode step packs the query heads onto their K/V head instead
+        if attention_mask is None and query.shape[2] == 1 and getattr(module, "num_key_value_groups", 1) > 1:
+            return _decode_step(module, query, key, value, dropout, scaling)
+        if attention_mask is None and getattr(module, "num_key_value_groups", 1) > 1:
+            groups = module.num_key_value_groups
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+            module = _OneGroup(module)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, position_ids=position_ids, **kwargs)
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
@@ -130,6 +138,27 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
                                        sliding_window, dropout, scaling) for s, e in docs], dim=2))
     out = rows[0] if batch == 1 else torch.cat(rows, dim=0)
     return out.transpose(1, 2).contiguous(), None
+
+
+class _OneGroup:
+    """The layer as sdpa_attention_forward sees it once K/V already have every query head: no grouping left."""
+    num_key_value_groups = 1
+
+    def __init__(self, module):
+        self.is_causal = getattr(module, "is_causal", True)
+        self.layer_idx = getattr(module, "layer_idx", None)
+
+
+def _decode_step(module, query, key, value, dropout: float, scale: float | None):
+    """One new token against the cache, no mask: the n_rep query heads of each K/V head become n_rep query rows of
+    that head (transformers' pack_gqa), one non-causal SDPA call with no K/V copy and no enable_gqa."""
+    import torch.nn.functional as F
+
+    b, h, _, d = query.shape
+    groups = module.num_key_value_groups
+    q = query.reshape(b, h // groups, groups, d)
+    out = F.scaled_dot_product_attention(q, key, value, dropout_p=dropout, scale=scale)
+    return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
 
 
 def document_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,

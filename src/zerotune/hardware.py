@@ -56,6 +56,12 @@ def peak_tflops(gpu: GPU, precision: str) -> float | None:
 #   A100-SXM4-80GB 79.15: the figure in PyTorch OOM reports from A100-80GB hosts (vLLM and PyTorch users;
 #     levihsu/OOTDiffusion#235 shows 79.25 on another A100); not measured here.
 #   H100-SXM5-80GB 79.11: vllm-project/vllm#27508 (H100); not measured here.
+#   H200-SXM-141GB 139.80: measured on the H200 lent to this repo on 2026-11-26 (torch 2.11 / CUDA 13.0,
+#     get_device_properties total_memory 150,109,880,320 bytes; bench/results/gpu_check/h200_2026-11-26.log).
+# H200 SXM from NVIDIA's H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200): 141 GB HBM3e,
+#   4.8 TB/s, FP16/BF16 tensor 1,979 TFLOPS with sparsity (989 dense), FP32 67. Same Hopper die as the H100 SXM:
+#   the same MFU assumption. Its cluster is DGX H100's (a DGX H200 has the same NVLink4 and 8x NDR); that
+#   cluster's HBM figure is the H100's 3.35 TB/s, which only scales the optimizer-step term (planner/time.py).
 GPUS = {
     "v100-32gb": GPU("V100-SXM2-32GB", (7, 0), 125.0, bf16=False, flash_attention_2=False, usable_gib=31.75,
                      default_mfu=0.35, cluster="v100-sxm2-1xedr", fp32_tflops=15.7),
@@ -65,6 +71,8 @@ GPUS = {
                      default_mfu=0.40, cluster="a100-sxm4-8xhdr", fp32_tflops=19.5),
     "h100-80gb": GPU("H100-SXM5-80GB", (9, 0), 989.0, bf16=True, flash_attention_2=True, usable_gib=79.11,
                      default_mfu=0.35, cluster="h100-sxm5-8xndr", fp32_tflops=67.0),
+    "h200": GPU("H200-SXM-141GB", (9, 0), 989.0, bf16=True, flash_attention_2=True, usable_gib=139.80,
+                default_mfu=0.35, cluster="h100-sxm5-8xndr", fp32_tflops=67.0),
     "cpu": GPU("CPU", None, None, bf16=False, flash_attention_2=False),
 }
 # llama.cpp on a GPU beside its weights and KV cache: CUDA context + compute buffers (0.3-0.8 GiB measured at
