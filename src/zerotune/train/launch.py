@@ -75,6 +75,7 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
         universal.prepare(r, world, free_needed=plan.disk["needed_free_bytes"])
     materialise_base(r)
     write_resolved_recipe(layout(r).train, r)  # layout(r).run_recipe: what the workers and finalize read
+    mf.write(layout(r).run_plan, plan.to_json())  # the phase times the workers' deadline reserves (stopping.py)
     layout(r).stopped.unlink(missing_ok=True)  # how the workers end is read after they do: only theirs may be there
     errors.clear_handoffs(layout(r).train)
 

@@ -217,9 +217,10 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
                       # safety before metrics: a step or loss that stops the run is judged before it is logged;
                       # validation after CommitCheckpoints: a step is committed before it is validated
                       callbacks=[EndAtLastStep(), safety, metrics, stop, commit,
-                                 EvalDuringTraining(r, metrics, run.choice.liger, stop),
+                                 evaluation := EvalDuringTraining(r, metrics, run.choice.liger, stop),
                                  *faults.callbacks(model)])
     safety.attach(trainer)
+    evaluation.attach(trainer)
     if run.universal is not None:  # after DeepSpeed loaded the conversion: restore what it leaves out, and check
         from ..universal import CheckUniversalLoad
         trainer.add_callback(CheckUniversalLoad(trainer, run.universal, run.saved_world))
