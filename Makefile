@@ -71,7 +71,7 @@ lint: setup  ## ruff (pyflakes + syntax errors) over the code, tests, bench and 
 test: setup  ## all tests but the extended ones, integration included (what CI runs)
 	$(PY) -m pytest -q --durations=25 -m "not extended" tests  # the 25 slowest close every run: the CI budget, watched
 
-test-all: setup  ## every test, the extended second paths too (QLoRA demo, optimizer offload, bench smoke)
+test-all: setup  ## every test, the extended second paths too (docs/testing.md lists them)
 	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: setup  ## unit tests only (seconds)
