@@ -216,3 +216,40 @@ def test_the_extended_table_lists_exactly_the_tests_marked_extended():
     assert named == _extended_tests()
     for place in (REPO / "pyproject.toml", REPO / "Makefile"):  # they point at the table, they do not repeat it
         assert "docs/testing.md" in place.read_text()
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.lower()).strip().replace(" ", "-")
+
+
+def test_the_code_points_at_docs_that_exist():
+    """What the code cites from docs/ (a page, a #section, or a page and a quoted "Heading") is there: a pointer
+    to a README section that had moved survived in quant_types.py (issue 43)."""
+    bad = []
+    for f in [*(REPO / "src").rglob("*.py"), *(REPO / "scripts").glob("*.py"), *(REPO / "slurm").glob("*")]:
+        text = f.read_text() if f.is_file() else ""
+        for page, anchor, quoted in re.findall(r'(docs/[a-z_]+\.md|README\.md)(?:#([a-z0-9-]+))?(?:, "([^"]+)")?', text):
+            doc = REPO / page
+            if not doc.exists():
+                bad.append(f"{f.name}: {page}")
+                continue
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", doc.read_text(), re.M)}
+            if anchor and anchor not in slugs:
+                bad.append(f"{f.name}: {page}#{anchor}")
+            if quoted and _slug(quoted) not in slugs:
+                bad.append(f'{f.name}: {page}, "{quoted}"')
+    assert not bad, bad
+
+
+def test_gguf_checks_reads_keys_by_name():
+    """gguf_checks.py's own rule (its docstring): GGUF keys and tensor names come from gguf-py, never as strings."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "assets" / "llama.cpp" / "gguf-py"))
+    import gguf
+
+    keys = {v for group in vars(gguf.Keys).values() if isinstance(group, type)
+            for v in vars(group).values() if isinstance(v, str) and "." in v}
+    names = {f"{n}.weight" for n in gguf.TENSOR_NAMES.values()}
+    literals = set(re.findall(r'"([a-z_0-9.]+)"', (REPO / "src" / "zerotune" / "gguf_checks.py").read_text()))
+    assert not literals & (keys | names), sorted(literals & (keys | names))
