@@ -56,10 +56,12 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
     here otherwise, once, and handed to the memory gate, the disk gate and the conversion."""
     from .. import universal
     from ..checkpoint import last_committed
+    from ..hardware import require_kernels
     from ..planner.compute import compute_plan
     from ..planner.gate import disk_preflight, preflight
     from ..weights import require_weights
 
+    require_kernels()  # a torch wheel without this GPU's architecture fails every CUDA op, after minutes of loading
     require_weights(r)  # on this node, offline: the workers never download (`zerotune fetch` does, beforehand)
     require_prepared(r)  # fail here, in seconds, not after the launch
     if world is not None:  # a resume that cannot keep the global batch: its own message, before the plan's
