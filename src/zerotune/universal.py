@@ -180,19 +180,21 @@ def convert(ckpt: Path, saved_world: int, free_needed: int = 0) -> dict:
     tmp = staging(ckpt)
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
-    args = _Args(input_folder=str(src), output_folder=str(tmp / tag),
-                 # one process each: no fork of this launcher (which has torch loaded), and host memory bounded by
-                 # one rank's shard (extract) and one parameter's fragments (merge)
-                 num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                 # ZeRO-3 needs no universal_checkpoint_info (DeepSpeed #5430 is ZeRO-1/2: ds_to_universal.py:1167-1171)
-                 inject_missing_state=False)
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            ds_to_universal.main(args)  # prints progress bars: kept out of the job log, shown if it fails
-    except Exception as e:
-        raise RuntimeError(f"DeepSpeed's universal conversion of {src} failed ({e}); {ckpt} is intact. Its output:\n"
-                           f"{out.getvalue()[-3000:]}") from e
+    tmp.mkdir(parents=True)
+    with _regex_safe_alias(src, tmp) as (src_alias, tmp_alias):
+        args = _Args(input_folder=str(src_alias), output_folder=str(tmp_alias / tag),
+                     # one process each: no fork of this launcher (which has torch loaded), and host memory bounded
+                     # by one rank's shard (extract) and one parameter's fragments (merge)
+                     num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                     # ZeRO-3 needs no universal_checkpoint_info (DeepSpeed #5430 is ZeRO-1/2: ds_to_universal.py:1167-1171)
+                     inject_missing_state=False)
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                ds_to_universal.main(args)  # prints progress bars: kept out of the job log, shown if it fails
+        except Exception as e:
+            raise RuntimeError(f"DeepSpeed's universal conversion of {src} failed ({e}); {ckpt} is intact. Its "
+                               f"output:\n{out.getvalue()[-3000:]}") from e
     faults.kill_while_converting()
     _slim_optimizer_state(tmp / tag / "zero" / "optimizer_state.pt")
     params = _checksums(tmp / tag / "zero")
@@ -208,6 +210,35 @@ def convert(ckpt: Path, saved_world: int, free_needed: int = 0) -> dict:
     mf.write(tmp / MARKER, marker)
     mf.publish(tmp, view(ckpt))  # fsync, then rename: a reader sees no conversion or a whole one
     return marker
+
+
+# What DeepSpeed's converter may meet in a path without harm: it builds a glob and a regex from the unescaped path
+# (ds_to_universal.py:251 glob.glob(f"{prefix_path}.*"), :260 re.compile(f"{prefix_path}\\.([0-9]+)"), :1064 the
+# input folder's glob), so `[1]` is a glob character class and `(copy)+` a regex group in a run folder's name.
+# A "." stays safe: as a regex it matches itself too.
+_SAFE_PATH = re.compile(r"[A-Za-z0-9_./-]+")
+
+
+@contextlib.contextmanager
+def _regex_safe_alias(src: Path, out: Path):
+    """(src, out) as symlinks in a fresh temp folder whose own path DeepSpeed's globs and regexes read literally.
+    Everything the converter writes goes through the `out` link into `out` itself, beside the checkpoint; its
+    `latest_universal` too (written into the output folder's parent, ds_to_universal.py:1374-1377)."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="zerotune-universal-"))
+    try:
+        if not _SAFE_PATH.fullmatch(str(base)):
+            raise UserError(f"the temp folder {base} has characters DeepSpeed's universal converter reads as glob or "
+                            f"regex syntax (it has no escaping): set TMPDIR to a folder whose path has only letters, "
+                            f"digits and _ . / - (e.g. TMPDIR=/tmp), then resubmit.")
+        (base / "src").symlink_to(Path(src).resolve(), target_is_directory=True)
+        (base / "out").symlink_to(Path(out).resolve(), target_is_directory=True)
+        yield base / "src", base / "out"
+    finally:
+        for link in ("src", "out"):
+            (base / link).unlink(missing_ok=True)  # the links, never what they point to
+        base.rmdir()
 
 
 class _Args:
