@@ -46,11 +46,11 @@ SIGNAL_LEAD_S = 900
 def preflight(recipe: str, overrides: list[str]) -> int:
     import signal
 
-    from zerotune import stopping
+    from zerotune import interrupt
 
     # The batch script forwards its USR1 here (its default action would kill this process): a conversion stops on
     # it at once (universal.convert); anything else finishes, and then the preflight stops instead of launching.
-    signal.signal(signal.SIGUSR1, stopping.record)
+    signal.signal(signal.SIGUSR1, interrupt.record)
     try:
         return _preflight(recipe, overrides)
     finally:
@@ -60,7 +60,7 @@ def preflight(recipe: str, overrides: list[str]) -> int:
 
 
 def _preflight(recipe: str, overrides: list[str]) -> int:
-    from zerotune import stopping
+    from zerotune import interrupt
     from zerotune.planner.compute import compute_plan
     from zerotune.planner.report import format_plan
     from zerotune.train import before_launch
@@ -80,10 +80,10 @@ def _preflight(recipe: str, overrides: list[str]) -> int:
             before_launch(r, nodes * procs, plan=plan, convert_by=convert_by)
     except UserError as e:
         return report(e)
-    except stopping.Stopped as e:
+    except interrupt.Stopped as e:
         return stopped_in_preflight(r.out, e.signal, e.detail)
-    if stopping.asked():
-        return stopped_in_preflight(r.out, stopping.asked(), "before the launch")
+    if interrupt.asked():
+        return stopped_in_preflight(r.out, interrupt.asked(), "before the launch")
     print(procs, "GPU" if gpus else "CPU", r.out)
     return 0
 

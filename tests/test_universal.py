@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zerotune import stopping, universal
+from zerotune import interrupt, universal
 from zerotune.errors import UserError
 
 
@@ -94,23 +94,23 @@ def test_a_stop_while_converting_removes_the_half_built_conversion(tmp_path, mon
         seen["not stopped"] = True
 
     monkeypatch.setattr(ds_to_universal, "main", main)
-    signal.signal(signal.SIGUSR1, stopping.record)  # as slurm/job.py preflight has it
+    signal.signal(signal.SIGUSR1, interrupt.record)  # as slurm/job.py preflight has it
     t0 = time.time()
-    with pytest.raises(stopping.Stopped) as e:
+    with pytest.raises(interrupt.Stopped) as e:
         universal.convert(ckpt, 2)
     assert time.time() - t0 < 10 and seen == {"staging": True}
     assert e.value.signal == "SIGUSR1"
     assert "into converting checkpoint-8" in e.value.detail and "checkpoint-8 is intact" in e.value.detail
     assert not (ckpt / "universal.tmp").exists() and not (ckpt / "universal").exists()
     assert _files(ckpt) == before
-    assert signal.getsignal(signal.SIGUSR1) is stopping.record
+    assert signal.getsignal(signal.SIGUSR1) is interrupt.record
 
     # a stop already recorded in this process (the one above, or one during the rest of the preflight): no start
     def never(args):
         raise AssertionError("the conversion started after a stop")
 
     monkeypatch.setattr(ds_to_universal, "main", never)
-    with pytest.raises(stopping.Stopped) as e:
+    with pytest.raises(interrupt.Stopped) as e:
         universal.convert(ckpt, 2)
     assert e.value.detail.startswith("before converting checkpoint-8") and _files(ckpt) == before
 

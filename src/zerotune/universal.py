@@ -160,8 +160,8 @@ def convert(ckpt: Path, saved_world: int, free_needed: int = 0, convert_by: floa
     """Build checkpoint-N/universal/ beside the original and publish it by rename; returns its marker.
     convert_by: the unix time a conversion must have ended by (slurm/job.py: the job's time-limit warning, whose
     USR1 stops it), or None; a conversion estimated not to end by then is refused before it starts.
-    A stop (SIGUSR1, SIGTERM: stopping.py) while converting removes the half-built folder and raises Stopped."""
-    from . import stopping
+    A stop (SIGUSR1, SIGTERM: interrupt.py) while converting removes the half-built folder and raises Stopped."""
+    from . import interrupt
     from .planner.disk import CONVERT_BYTES_PER_S, tree_bytes
 
     ckpt = Path(ckpt)
@@ -181,22 +181,22 @@ def convert(ckpt: Path, saved_world: int, free_needed: int = 0, convert_by: floa
                         f"needs {peak / 2**30:.1f} GiB while it runs and keeps {size / 2**30:.1f} GiB beside it, "
                         f"and the run needs {free_needed / 2**30:.1f} GiB more after it. Free space, or resume with "
                         f"{procs(saved_world)}.")
-    if stopping.asked():  # a stop came during the preflight, before this: do not begin
-        raise stopping.Stopped(stopping.asked(), f"before converting {ckpt.name} to DeepSpeed's universal format "
+    if interrupt.asked():  # a stop came during the preflight, before this: do not begin
+        raise interrupt.Stopped(interrupt.asked(), f"before converting {ckpt.name} to DeepSpeed's universal format "
                                                  f"(estimated ~{_minutes(estimate)}); {ckpt.name} is intact")
     tmp = staging(ckpt)
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     try:
-        with stopping.stoppable():
+        with interrupt.stoppable():
             try:
                 marker = _build(ckpt, tag, shards, tmp, saved_world, peak, t0)
             except BaseException:
-                stopping.hold()  # a second stop must not cut the removal short
+                interrupt.hold()  # a second stop must not cut the removal short
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing half-built is left for the next attempt
                 raise
-    except stopping.Stopped as e:
-        raise stopping.Stopped(e.signal, f"{time.time() - t0:.0f} s into converting {ckpt.name} to DeepSpeed's "
+    except interrupt.Stopped as e:
+        raise interrupt.Stopped(e.signal, f"{time.time() - t0:.0f} s into converting {ckpt.name} to DeepSpeed's "
                                          f"universal format (estimated ~{_minutes(estimate)}): the half-built "
                                          f"conversion was removed and {ckpt.name} is intact") from None
     marker["bytes"] = tree_bytes(tmp)

@@ -56,7 +56,7 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
     plan: the launch's planner.compute.Plan when the caller has it already (slurm/job.py prints it first); computed
     here otherwise, once, and handed to the memory gate, the disk gate and the conversion.
     convert_by: the unix time a conversion must end by (slurm/job.py: the job's time-limit warning); None: no limit.
-    A stop while converting raises stopping.Stopped, with nothing half-built left (universal.convert)."""
+    A stop while converting raises interrupt.Stopped, with nothing half-built left (universal.convert)."""
     from .. import universal
     from ..checkpoint import last_committed
     from ..hardware import require_kernels
@@ -89,7 +89,7 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
     import torch
 
     from ..checkpoint import REQUEUE_EXIT
-    from ..stopping import Stopped
+    from ..interrupt import Stopped
 
     n_gpu = torch.cuda.device_count()
     nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
