@@ -17,11 +17,11 @@ from zerotune.errors import UserError
 
 @pytest.fixture(autouse=True)
 def no_stop_asked():
-    """A stop recorded by one test must not leak into the next (stopping keeps it per process)."""
-    stopping._asked.clear()
-    before = {s: signal.getsignal(s) for s in stopping.SIGNALS}
+    """A stop recorded by one test must not leak into the next (interrupt keeps it per process)."""
+    interrupt._asked.clear()
+    before = {s: signal.getsignal(s) for s in interrupt.SIGNALS}
     yield
-    stopping._asked.clear()
+    interrupt._asked.clear()
     for s, h in before.items():
         signal.signal(s, h)
 
