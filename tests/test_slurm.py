@@ -62,6 +62,18 @@ def test_finetune_requeues_and_appends_to_its_log():
     assert any(d.startswith("--signal=B:USR1@") for d in directives)
 
 
+def test_the_preflight_knows_the_scripts_warning_lead():
+    """slurm/job.py refuses a conversion that would not end before the time-limit warning; SLURM does not tell a job
+    its --signal lead, so job.py states the script's: the two must agree."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("slurm_job", SLURM / "job.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    lead = re.search(r"^#SBATCH\s+--signal=B:USR1@(\d+)$", (SLURM / "finetune.sbatch").read_text(), flags=re.M)
+    assert lead and int(lead.group(1)) == job.SIGNAL_LEAD_S
+
+
 def test_deadline_rule():
     from zerotune.stopping import MARGIN_FRACTION, MARGIN_S, out_of_time, seconds_needed
 

@@ -13,6 +13,8 @@ Enabled only by environment variables that the tests set; inert otherwise.
 - ZEROTUNE_FAULT_KILL_WHILE_CONVERTING=1: the launcher is killed (SIGKILL, as a node failure or scancel's
   second signal would) while it converts a checkpoint to another world size, after DeepSpeed has written the
   conversion and before it is checked and published: the original must be intact and the next attempt resume.
+- ZEROTUNE_FAULT_SLOW_CONVERSION=S: at the same point the conversion waits S seconds, as an 8B one takes ~27 min,
+  so that a test can send the time-limit warning (USR1) while it converts: it must stop at once, clean.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ ENV_NAN_WEIGHT = "ZEROTUNE_FAULT_NAN_WEIGHT_STEP"
 ENV_EVAL_OOM = "ZEROTUNE_FAULT_EVAL_OOM_STEP"
 ENV_KILL_CONVERTING = "ZEROTUNE_FAULT_KILL_WHILE_CONVERTING"
 ENV_NO_ROOM_TO_GATHER = "ZEROTUNE_FAULT_NO_ROOM_TO_GATHER"
+ENV_SLOW_CONVERSION = "ZEROTUNE_FAULT_SLOW_CONVERSION"
 
 
 def no_room_to_gather() -> bool:
@@ -47,6 +50,16 @@ def kill_while_converting() -> None:
 
         print(f"faults: {ENV_KILL_CONVERTING}: killing this process while it converts", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_conversion() -> None:
+    """Called by universal.convert at the same point as kill_while_converting, inside its stoppable block."""
+    seconds = os.environ.get(ENV_SLOW_CONVERSION)
+    if seconds:
+        import time
+
+        print(f"faults: {ENV_SLOW_CONVERSION}={seconds}: the conversion waits {seconds} s", flush=True)
+        time.sleep(float(seconds))
 
 
 class NaNLossAt(TrainerCallback):

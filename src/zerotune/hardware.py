@@ -116,6 +116,57 @@ def detect() -> GPU:
     return GPUS["cpu"]
 
 
+# torch.cuda.get_arch_list() of torch 2.11.0+cu126 (pytorch #182250): from torch 2.11 only the CUDA 12.6 builds
+# carry Volta (sm_70), and Pascal and Maxwell with it (#172352 dropped it from cu128; CUDA 13 dropped it, #157517).
+CU126_ARCHS = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
+
+
+def runs_on(capability: tuple[int, int], arch_list) -> bool:
+    """Whether a torch build whose torch.cuda.get_arch_list() is `arch_list` has code a GPU of `capability` runs:
+    sm_XY (SASS) runs on X.Y and on later minors of the same major (sm_80 on an 8.6 card), never on another major;
+    compute_XY (PTX) is compiled by the driver for X.Y and anything later. An arch-specific "a" build (sm_90a) runs
+    on its own X.Y only (CUDA's compatibility rules; torch.cuda._check_capability applies the same)."""
+    major, minor = capability
+    for arch in arch_list:
+        kind, _, code = arch.partition("_")
+        digits = code.rstrip("abcdefghijklmnopqrstuvwxyz")
+        if kind not in ("sm", "compute") or not digits.isdigit():
+            continue
+        x, y = divmod(int(digits), 10)
+        if code.endswith("a"):
+            ok = (x, y) == (major, minor)
+        elif kind == "sm":
+            ok = x == major and y <= minor
+        else:
+            ok = (x, y) <= (major, minor)
+        if ok:
+            return True
+    return False
+
+
+def require_kernels() -> None:
+    """Refuse, in one message, a torch build without code for this machine's GPUs: every CUDA op would fail
+    ("no kernel image is available") after minutes of loading. Nothing to check on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    archs = torch.cuda.get_arch_list()
+    for i in range(torch.cuda.device_count()):
+        cap = torch.cuda.get_device_capability(i)
+        if runs_on(cap, archs):
+            continue
+        sm = f"sm_{cap[0]}{cap[1]}"
+        fix = (f"install a CUDA 12.6 build, the last that carries {sm}: `make setup TORCH=cu126` (torch 2.11-2.14 "
+               "cu126 wheels; CUDA 13 builds dropped Volta, pytorch #157517, and cu128 builds did from 2.11, #172352)"
+               if runs_on(cap, CU126_ARCHS) else
+               f"install a torch build whose torch.cuda.get_arch_list() covers {sm} (`make setup TORCH=<its CUDA tag>`, "
+               "see https://pytorch.org/get-started/locally/)")
+        raise CapabilityError(f"GPU {i} ({torch.cuda.get_device_name(i)}, compute capability {cap[0]}.{cap[1]}) has no "
+                              f"kernels in this torch {torch.__version__} (CUDA {torch.version.cuda}; built for "
+                              f"{', '.join(archs) or 'nothing'}): {fix}.")
+
+
 def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
