@@ -195,6 +195,7 @@ def convert(ckpt: Path, saved_world: int, free_needed: int = 0, convert_by: floa
     # beside them, and removes the temp folder last (ds_to_universal.py:1318-1353); the result stays held until
     # this checkpoint rotates away, while the run goes on needing what disk_preflight counted.
     peak = 2 * size + size // saved_world
+    shutil.rmtree(staging(ckpt), ignore_errors=True)  # a half-built earlier attempt is not space this one needs
     free = shutil.disk_usage(ckpt).free
     if free < max(peak, size + free_needed):
         raise UserError(f"{ckpt.parent} has {free / 2**30:.1f} GiB free; converting {ckpt.name} to another world size "

@@ -132,9 +132,9 @@ class EvalDuringTraining(TrainerCallback):
             return 0.0, "(nothing to validate or sample)"
         plan = mf.read(layout(self.r).run_plan) or {}
         phases = plan.get("phases") or {}
-        times = [(phases.get(name) or {}).get("time") or {} for name in ("validation", "samples")]
-        seconds = [t.get("seconds") for t in times if (phases.get("validation") or {}).get("runs", True)]
-        if not any(t for t in times) or any(s is None for s in seconds):
+        running = [phases[n] for n in ("validation", "samples") if (phases.get(n) or {}).get("runs", True)]
+        seconds = [(ph.get("time") or {}).get("seconds") for ph in running]
+        if not running or any(s is None for s in seconds):
             return None
         return sum(seconds), "planned"
 
@@ -287,30 +287,19 @@ class EvalDuringTraining(TrainerCallback):
 def whole_model(engine, device):
     """Generate with every parameter gathered once, not once per new token: under ZeRO-3 each forward of generate()
     gathers the whole model again (at 8B, 16 GB per token; across nodes ~1.6 s a token, planner/time.py
-    phase_times). TRL's unwrap_model_for_generation (trl/models/utils.py, remove_hooks / add_hooks) does the same:
-    gather the parameters (deepspeed.zero.GatheredParameters, on every rank), take ZeRO-3's module hooks off so
-    no forward releases what was gathered, put them back after (deepspeed 0.19.8 runtime/zero/
-    parameter_offload.py: forward_hooks / backward_hooks, _register_deepspeed_module, which also invalidates the
-    trace, :337-343). Only where every rank has room for the whole 16-bit model beside what it holds
-    (room_to_gather, agreed over ranks, as the plan predicts with its samples phase); else per-token gathers, and
-    the context yields False."""
-    import deepspeed
+    phase_times). DeepSpeed's own unwrap_model_for_generation (deepspeed 0.19.8 runtime/zero/stage3.py:94-123, as
+    TRL's of the same name) gathers the parameters on every rank, takes ZeRO-3's module hooks off so no forward
+    releases them, and puts them back after (re-registering invalidates the trace, parameter_offload.py:337-343).
+    Only where every rank has room for the whole 16-bit model beside what it holds (room_to_gather, agreed over
+    ranks; the plan predicts the same with its samples phase); else per-token gathers, and the context yields False."""
+    from deepspeed.runtime.zero import unwrap_model_for_generation
 
     offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
     if offload is None or not room_to_gather(offload.module, device):
         yield False
         return
-    params = list(offload.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        for p in params:
-            p.ds_active_sub_modules.clear()
-        for hook in offload.forward_hooks + offload.backward_hooks:
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield True
-        finally:
-            offload._register_deepspeed_module(offload.module)
+    with unwrap_model_for_generation(engine):
+        yield True
 
 
 def room_to_gather(module, device) -> bool:
@@ -324,6 +313,9 @@ def room_to_gather(module, device) -> bool:
 
     whole = sum(p.ds_numel * p.ds_tensor.element_size() for p in module.parameters())
     if torch.cuda.is_available():
+        # the driver's free memory does not count what PyTorch's allocator holds cached from the training step (at
+        # a 16K step, most of the card): hand it back first, as the gather would reuse it anyway
+        torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = _available_ram() / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
