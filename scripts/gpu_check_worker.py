@@ -242,7 +242,7 @@ def kit_trainer(r, gpu, rows: list[dict]):
     """train/worker.py worker's steps in its order: StopOnSignal, [setup: kit_run], load_model, build_trainer,
     choose_resume. Without the in-training validation and samples callback: the kit measures them as phases.
     Returns (run, model, n_params, trainer, stop, commit, resume)."""
-    from zerotune.checkpoint import StopOnSignal
+    from zerotune.stopping import StopOnSignal
     from zerotune.train.validation import EvalDuringTraining
 
     worker = train_worker()

@@ -196,21 +196,21 @@ def test_guard_names_transformers_call_site(gc):
     assert "2 x transformers/integrations/sdpa_attention.py:" in text and "enable_gqa=True" in text
 
 
-def test_decode_under_sdpa_docs_calls_sdpa_with_enable_gqa(gc):
-    """What the samples phase will report on a V100: sdpa_docs attends the prompt per document with K/V repeated
-    (attention.py), but each decode step goes to transformers' sdpa with no mask and enable_gqa=True, which only
-    the math kernel takes below sm80. Recorded here on CPU (the flags do not depend on the device)."""
+def test_decode_under_sdpa_docs_packs_query_heads_without_enable_gqa(gc):
+    """What the samples phase will report on a V100: sdpa_docs attends the prompt per document with K/V repeated,
+    and each decode step packs the query heads of a K/V head into rows of that head (attention.py _decode_step):
+    neither call has a mask or enable_gqa=True, which only the math kernel takes below sm80. Recorded here on CPU
+    (the flags do not depend on the device)."""
     import torch
     import torch.nn.functional as F
 
     from zerotune.emulation import describe_sdpa_call
 
-    seen = {}
+    calls = []
     orig = F.scaled_dot_product_attention
 
     def record(*args, **kw):
-        text = describe_sdpa_call(args, kw)[1]
-        seen[text.split(" (")[0].rsplit(":", 1)[0], args[0].shape[2] == 1] = text
+        calls.append(describe_sdpa_call(args, kw)[1])
         return orig(*args, **kw)
 
     cfg = gc.small_config("llama", vocab_size=256, hidden_size=64, intermediate_size=128, head_dim=16)
@@ -223,10 +223,12 @@ def test_decode_under_sdpa_docs_calls_sdpa_with_enable_gqa(gc):
                            do_sample=False, use_cache=True, pad_token_id=0)
     finally:
         F.scaled_dot_product_attention = orig
-    prefill = seen["zerotune/attention.py", False]  # one document: the whole prompt, K/V repeated to 8 heads
-    assert "q 1x8x24x16, k 1x8x24x16" in prefill and "enable_gqa=False" in prefill
-    decode = seen["transformers/integrations/sdpa_attention.py", True]
-    assert "no mask" in decode and "enable_gqa=True" in decode
+    layers = cfg["num_hidden_layers"]
+    assert len(calls) == 2 * layers, calls  # the prompt, then one decode step, in every layer
+    prefill, decode = calls[0], calls[-1]
+    assert "zerotune/attention.py" in prefill and "q 1x8x24x16, k 1x8x24x16" in prefill, prefill
+    assert "zerotune/attention.py" in decode and "q 1x4x2x16, k 1x4x25x16" in decode, decode  # 8 heads on 4 K/V
+    assert all("no mask" in c and "enable_gqa=False" in c for c in calls), calls
 
 
 def _model(cfg, attn):

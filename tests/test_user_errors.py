@@ -135,7 +135,7 @@ def test_serve_limits_out_of_range(tmp_path, capfd):
 
 def test_unknown_plan_gpu_is_a_user_error(tmp_path, capfd):
     rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path}", "plan.gpu=v101")
-    assert_one_message(rc, err, "plan.gpu: 'v101' is not one of ['v100-32gb', 't4', 'a100-80gb', 'h100-80gb', 'cpu']")
+    assert_one_message(rc, err, "plan.gpu: 'v101' is not one of ['v100-32gb', 't4', 'a100-80gb', 'h100-80gb', 'h200', 'cpu']")
 
 
 def test_hardware_that_cannot_do_the_precision_is_a_user_error(tmp_path, capfd):

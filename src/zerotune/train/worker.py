@@ -47,6 +47,7 @@ def worker(r: Recipe) -> None:
     save_for_finalize(r, run, trainer, n_params, n_trainable, elapsed)
     safety.detach()  # their gradient hooks would keep the Trainer alive (QLoRA: release_training_states)
     metrics.detach()
+    stop.end_estimate = lambda: None  # validation's bound method, and through it the Trainer: the signal handler keeps stop
     finalizes, run_dir = run.rank == 0, r.out
     model_ref = weakref.ref(model)
     del run, model, trainer, safety, metrics, commit  # what this function holds; the rest: release_training_states
