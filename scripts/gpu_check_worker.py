@@ -217,13 +217,15 @@ def kit_run(r, gpu, rows: list[dict]):
 
     from zerotune import batch as batchmod
     from zerotune import hardware
+    from zerotune.layout import layout
     from zerotune.ports import free_port
     from zerotune.train.args import collate_packed, total_steps, training_arguments
 
     worker = train_worker()
     warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor).* is deprecated",
                             category=FutureWarning)
-    family = worker.model_family(r)
+    paths = layout(r)
+    family = worker.model_family(paths.base)
     choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger, family=family)
     bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, 1)
     train_ds = datasets.Dataset.from_list(rows)
@@ -234,7 +236,7 @@ def kit_run(r, gpu, rows: list[dict]):
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     tokens = {"train_label": sum(x != -100 for row in rows for x in row["labels"]),
               "train_total": sum(len(row["labels"]) for row in rows)}
-    return worker.Run(0, 1, gpu, choice, bp, {"tokens": tokens, "pad_token_id": 0}, train_ds, steps, args,
+    return worker.Run(paths, 0, 1, gpu, choice, bp, {"tokens": tokens, "pad_token_id": 0}, train_ds, steps, args,
                       collate_packed, family=family)
 
 
@@ -242,7 +244,7 @@ def kit_trainer(r, gpu, rows: list[dict]):
     """train/worker.py worker's steps in its order: StopOnSignal, [setup: kit_run], load_model, build_trainer,
     choose_resume. Without the in-training validation and samples callback: the kit measures them as phases.
     Returns (run, model, n_params, trainer, stop, commit, resume)."""
-    from zerotune.stopping import StopOnSignal
+    from zerotune.train.callbacks import StopOnSignal
     from zerotune.train.validation import EvalDuringTraining
 
     worker = train_worker()

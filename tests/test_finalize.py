@@ -174,7 +174,7 @@ def test_fp16_loss_scale_follows_grad_accum_across_a_world_size_change():
     """DeepSpeed's own dynamic scaler, as the universal load restores it: rescaled for the new grad-accum."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from zerotune.universal import rescale_loss_scale
+    from zerotune.train.universal_load import rescale_loss_scale
 
     kw = dict(scale_window=1000, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False)  # DeepSpeed defaults
     s = DynamicLossScaler(init_scale=2.0 ** 12, **kw)

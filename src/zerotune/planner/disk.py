@@ -5,7 +5,7 @@ demand on the free space. What the file system must still offer is, at the run's
 run will have then minus the bytes it has now (those it keeps are already counted as used; those it removes
 first come back as free space). The events, in the order a run meets them:
 
-  save           a checkpoint is written while the committed ones are held: checkpoint.CommitCheckpoints
+  save           a checkpoint is written while the committed ones are held: train/callbacks.py CommitCheckpoints
                  rotates (deletes the oldest) only after the new one is committed (checkpoint.py:164-167),
                  so with k held it needs one more checkpoint of room
   save at limit  the same with train.save_total_limit checkpoints held: the most checkpoints at once

@@ -25,8 +25,8 @@ def main(argv: list[str]) -> int:
     role, run = argv[0], Path(argv[1])
     from ..quiet import silence_known_noise
 
-    # every role, torchrun's too: it imports transformers' callbacks (stopping.py), hence peft and bitsandbytes,
-    # whose import logs a warning on CPUs with AVX512-BF16 (quiet.py)
+    # every role, torchrun's too: the workers import transformers' callbacks (train/callbacks.py), hence peft
+    # and bitsandbytes, whose import logs a warning on CPUs with AVX512-BF16 (quiet.py)
     silence_known_noise()
     if role == "torchrun":
         from .torchrun import run_torchrun

@@ -36,7 +36,7 @@ def worker(r: Recipe) -> None:
     finalize reloads the 4-bit base on the same GPU; an optimizer offload pins host RAM)."""
     import weakref
 
-    from ..stopping import StopOnSignal
+    from .callbacks import StopOnSignal
 
     stop = StopOnSignal()  # first: a SIGUSR1 while loading must be remembered, not kill the process
     run = setup(r)
@@ -201,11 +201,11 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     from transformers import Trainer
 
     from .. import ds_config, faults
-    from ..checkpoint import CommitCheckpoints
+    from .callbacks import CommitCheckpoints
     from .validation import EvalDuringTraining
     from ..metrics import StepMetrics, flops_per_token
     from ..safety import SafetyChecks
-    from ..stopping import EndAtLastStep
+    from .callbacks import EndAtLastStep
 
     cfg = model.config
     tokens = run.data_manifest["tokens"]
@@ -223,7 +223,7 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     safety.attach(trainer)
     evaluation.attach(trainer)
     if run.universal is not None:  # after DeepSpeed loaded the conversion: restore what it leaves out, and check
-        from ..universal import CheckUniversalLoad
+        from .universal_load import CheckUniversalLoad
         trainer.add_callback(CheckUniversalLoad(trainer, run.universal, run.saved_world))
     if run.choice.liger and run.choice.precision == "fp16":  # Liger's fp16 lm_head gradient can overflow unscaled
         safety.watch_lm_head(model)
@@ -261,7 +261,8 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
 
     from .. import universal
     from ..checkpoint import describe_failure, last_committed, step_of
-    from ..stopping import REQUEUE_EXIT, StopBeforeTraining, TrainingComplete
+    from ..stopping import REQUEUE_EXIT
+    from .callbacks import StopBeforeTraining, TrainingComplete
 
     if run.universal is not None and run.universal.parent != resume:  # setup and choose_resume read the same files
         raise RuntimeError(f"resuming {resume}, but setup prepared {run.universal}")
