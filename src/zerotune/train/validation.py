@@ -165,7 +165,7 @@ class EvalDuringTraining(TrainerCallback):
         self._evaluate(args, state, model, step)
 
     def _evaluate(self, args, state, model, step: int) -> None:
-        from . import faults
+        from .. import faults
 
         t0 = time.perf_counter()
         was_training = model.training
@@ -216,9 +216,9 @@ class EvalDuringTraining(TrainerCallback):
         import torch
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        from .answering import hf_generate
-        from .families import answer_text, of_config
-        from .scorers import score
+        from ..answering import hf_generate
+        from ..families import answer_text, of_config
+        from ..scorers import score
 
         family = of_config(model.config)  # Qwen3: scored after its thinking block, as check and eval score
         preds = hf_generate(model, tok, stop, rows, es.max_new_tokens, batch_size=1, device=device,
