@@ -9,6 +9,8 @@
                                       handoff between its processes: recipe.resolved.yaml (written by the
                                       launcher, read by every rank and finalize), run.json, stopped.json, error*.json;
                                       between sbatch attempts: stopped_before_training.json
+      reference/     finetune (DPO)   logps.pt + manifest.json: the starting model's log-probs of every pair, computed
+                                      once before the first step, keyed by data, weights and numerics
       checkpoints/   finetune         checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json; universal/: its
                                       conversion for another world size, universal.py)
       model.tmp/     finetune         the consolidated save, verified before it becomes model/
@@ -78,6 +80,10 @@ class RunLayout:
     @property
     def train(self) -> Path:
         return self.out / "train"
+
+    @property
+    def reference(self) -> Path:  # DPO: the reference log-probs (preference/reference.py), read by every resume
+        return self.out / "reference"
 
     @property
     def checkpoints(self) -> Path:

@@ -42,7 +42,8 @@ from .tokenize import IGNORE, ChatRenderer, encode_batch, require_chat_template
 
 CHUNK_ROWS = 256  # rows per tokenization task
 # A preference pair's prepared row (preference.method): the chosen conversation in the SFT columns (input_ids, labels,
-# position_ids: what check, inspect and the save's probe read as one document) and the rejected one in these
+# position_ids: what check, inspect and the save's probe read as one document), the rejected one in these, and `pair`,
+# its index in the split (where the reference log-probs of preference/reference.py are looked up)
 PAIR_COLUMNS = ("rejected_input_ids", "rejected_labels")
 WRITE_TOKENS = 1 << 22  # tokens buffered before an Arrow record batch is written
 
@@ -300,15 +301,15 @@ def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Re
     from datasets import Dataset
 
     schema = pa.schema([(k, pa.list_(pa.int32())) for k in ("input_ids", "labels", "position_ids")
-                        + (PAIR_COLUMNS if r.pairs else ())])
+                        + (PAIR_COLUMNS if r.pairs else ())] + ([("pair", pa.int32())] if r.pairs else []))
     arrow = work / f"{desc}.arrow"
     n_rows, padding, total, pairs = 0, 0, 0, 0
     if r.pairs:  # one row per pair: the chosen conversation in the SFT columns, the rejected one beside it
         def rows_of_pairs():
-            for i in doc_idx.tolist():
+            for k, i in enumerate(doc_idx.tolist()):
                 (ids, labels), (rej, rej_labels) = store[2 * i], store[2 * i + 1]
                 yield {"input_ids": ids, "labels": labels, "position_ids": np.arange(len(ids), dtype=np.int32),
-                       "rejected_input_ids": rej, "rejected_labels": rej_labels}, 0
+                       "rejected_input_ids": rej, "rejected_labels": rej_labels, "pair": k}, 0
         rows, n_total = rows_of_pairs(), len(doc_idx)
     elif r.data.packing:
         bins = best_fit_decreasing(lengths[doc_idx], r.data.seq_len)
@@ -329,6 +330,9 @@ def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Re
         if buf["input_ids"]:
             cols = []
             for k in schema.names:
+                if k == "pair":  # the pair's index in its split: the key of its reference log-probs (preference/)
+                    cols.append(pa.array(buf[k], type=pa.int32()))
+                    continue
                 offsets = np.concatenate([[0], np.cumsum([len(x) for x in buf[k]])]).astype(np.int32)
                 cols.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(buf[k]).astype(np.int32))))
             w.write_batch(pa.record_batch(cols, schema=schema))
