@@ -152,7 +152,8 @@ def check(r: Recipe) -> int:
           "greedy answers from base, fine-tuned HF and GGUF", flush=True)
     scored = score_models(r, sets, rows_by_set)["sets"]
     # Whole documents of the eval split go through the GGUF: its context must hold the longest packed row.
-    llm = load_gguf(gguf, n_ctx=r.data.seq_len, n_gpu_layers=r.check.n_gpu_layers)
+    # ... and the speed probe its prompt and answer (speed(): 64 + 32 tokens; a short-row recipe has less)
+    llm = load_gguf(gguf, n_ctx=max(r.data.seq_len, 128), n_gpu_layers=r.check.n_gpu_layers)
     try:
         agreement = logit_agreement(llm, model_dir, heldout_documents(r, r.check.n_kl_texts))
         perf = speed(llm)
