@@ -304,3 +304,31 @@ def test_one_process_equals_two_and_a_resume_at_another_world_size_is_exact(tiny
     assert a[-1]["loss"] < a[0]["loss"], "DPO's loss fell from log 2"
     val = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
     assert any("val_reward_accuracy" in row for row in val), "validation on the held-out pairs ran"
+
+
+@pytest.mark.integration
+def test_held_out_pairs_score_the_same_on_hf_and_its_gguf(tmp_path, tiny_model_dir, tiny_gguf):
+    """eval.pairs through scoring.py: the HF model's log-probs (the training code's chunked ones) and the GGUF's
+    (llama.cpp's logits over the same token ids) agree; a model scored against itself has reward margin 0; a second
+    call reads the cache."""
+    import shutil
+
+    from zerotune.layout import layout
+    from zerotune.preference.scoring import score_pairs
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join((REPO / "data" / "tiny" / "heldout_pairs.jsonl").read_text().splitlines(True)[:8]))
+    r = from_dict({"name": "t", "output_dir": str(tmp_path / "run"),
+                   "model": {"name_or_path": str(tiny_model_dir), "tokenizer": str(tiny_model_dir)},
+                   "data": {"sources": [{"path": "data/tiny/pairs.jsonl", "format": "preference"}], "packing": False},
+                   "preference": {"method": "dpo"}, "eval": {"pairs": {"path": str(pairs), "format": "preference"}}})
+    paths = layout(r)
+    shutil.copytree(tiny_model_dir, paths.model)  # the "tuned" model: the starting weights themselves
+    paths.gguf.parent.mkdir(parents=True)
+    shutil.copy(tiny_gguf, paths.gguf)
+    p = score_pairs(r)
+    assert p["n"] == 8 and p["hf"]["accuracy"] == p["base"]["accuracy"]
+    assert p["hf"]["reward_accuracy"] == 0 and p["hf"]["reward_margin"] == 0  # no pair's margin moved
+    assert p["gguf"]["accuracy"] == p["hf"]["accuracy"] and abs(p["gguf"]["reward_margin"]) < 0.01  # Q8_0 noise
+    cache = json.loads((paths.eval / "pairs.json").read_text())
+    assert len(cache) == 3 and score_pairs(r)["seconds"] == p["seconds"], "the second call reads the cache"

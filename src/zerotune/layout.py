@@ -192,6 +192,27 @@ def layout(r: Recipe) -> RunLayout:
     return RunLayout(out=r.out, base=base, gguf=r.out / "gguf" / f"{r.name}-{r.quantize.type.lower()}.gguf")
 
 
+def producing_recipe(folder: Path) -> str | None:
+    """The shipped recipe whose default run folder publishes `folder` as its model (runs/<name>/model): a recipe that
+    starts from another run's model (smollm2_dpo from smollm2's) names the run to make first."""
+    from .config import RECIPES_DIR, REPO_ROOT
+
+    folder = Path(folder).resolve()
+    if folder.name != "model" or folder.parent.parent != (REPO_ROOT / "runs").resolve():
+        return None
+    name = folder.parent.name
+    return name if (RECIPES_DIR / f"{name}.yaml").exists() else None
+
+
+def upstream_to_train(r: Recipe) -> str | None:
+    """`make demo`: the recipe to train first, when this one starts from its run's model and that is not published
+    yet; None otherwise."""
+    p = resolve_path(r.model.name_or_path) if r.model.name_or_path else None
+    if p is None or (p / "config.json").exists():
+        return None
+    return producing_recipe(p)
+
+
 def write_resolved_recipe(folder: Path, r: Recipe) -> None:
     """The recipe that made a stage's output, overrides applied, beside it as RESOLVED_RECIPE (train/: what its
     processes read, RunLayout.run_recipe)."""

@@ -74,6 +74,13 @@ def config_source(r: Recipe) -> Path:
     shipped = public_config(name)  # the public config, shipped (families.py): planning needs no download
     if shipped is not None:
         return shipped
+    from ..layout import producing_recipe
+
+    made_by = producing_recipe(local) if local is not None else None
+    if made_by:  # another recipe's published model, not trained yet (DPO after SFT): the same shape as its start
+        from ..config import load_recipe
+
+        return config_source(load_recipe(made_by))
     raise ModelConfigError(
         f"model.name_or_path '{name}': no local folder with a config.json and no shipped config for it. "
         "Download the model (or just its config.json) into a folder and point model.name_or_path at it.")
