@@ -332,3 +332,12 @@ def test_held_out_pairs_score_the_same_on_hf_and_its_gguf(tmp_path, tiny_model_d
     assert p["gguf"]["accuracy"] == p["hf"]["accuracy"] and abs(p["gguf"]["reward_margin"]) < 0.01  # Q8_0 noise
     cache = json.loads((paths.eval / "pairs.json").read_text())
     assert len(cache) == 3 and score_pairs(r)["seconds"] == p["seconds"], "the second call reads the cache"
+
+
+def test_a_completion_that_is_json_text_stays_text():
+    """The SmolLM2 task's replies are JSON records: a string completion is a reply, whatever it looks like."""
+    row = {"prompt": "Extract: Ada, 36", "chosen": '{"name": "Ada", "age": 36}', "rejected": '[{"name": "Ada"}]'}
+    doc = read_row(row, "preference", {}, "t")
+    assert doc.conv.chosen == [msg(A, row["chosen"])] and doc.conv.rejected == [msg(A, row["rejected"])]
+    as_text = {**row, "chosen": json.dumps([msg(A, "x")])}  # a message list stored as JSON text (a CSV cell)
+    assert read_row(as_text, "preference", {}, "t").conv.chosen == [msg(A, "x")]

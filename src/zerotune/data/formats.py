@@ -388,7 +388,13 @@ def _hh_text(text: str, where: str, what: str) -> list[dict]:
 
 def _turns(value, where: str, what: str, cols: dict, role_map: dict, notes: dict, reply: bool) -> list[dict]:
     """A pair field as messages: a string is one user turn (the prompt) or one assistant turn (a completion)."""
-    value = _json_cell(value, where, what)
+    if isinstance(value, str) and value.lstrip().startswith("["):  # a message list stored as JSON text (CSV,
+        try:                                                         # parquet); a reply that is JSON stays text
+            parsed = json.loads(value)
+            value = parsed if isinstance(parsed, list) and all(isinstance(m, dict) and cols["role"] in m
+                                                               for m in parsed) else value
+        except json.JSONDecodeError:
+            pass
     if isinstance(value, str):
         return [{"role": "assistant" if reply else "user", "content": _text(value, where, what)}]
     if not isinstance(value, list) or not value:
