@@ -13,6 +13,8 @@
 2. Per-token agreement on held-out text from the prepared data: mean
    KL(HF || GGUF), top-1 agreement and perplexity ratio.
 3. T4 fit: weights + f16 KV cache at the recipe's context against what PyTorch reports usable (hardware.GPUS["t4"]).
+   With `eval.pairs` (preference tuning): held-out pairs' preference accuracy for base, HF and GGUF
+   (preference/scoring.py, eval's cache), gated like a set's score: the GGUF within the same margin of HF.
 4. Prompt and decode tokens/s of the GGUF on this machine.
 Writes check.json; exits 1 when a gate fails.
 """
