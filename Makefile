@@ -35,7 +35,7 @@ inspect: setup  ## print prepared sequences as training sees them, labels highli
 plan: setup  ## memory, batch and time plan for the recipe's target cluster
 	$(ZT) plan $(RECIPE) $(OVERRIDES)
 
-gpu-check:  ## on a CUDA GPU: run the GPU-only paths for real beside the plan (no GPU: says so, exits 0); ARGS="--seq 2048" etc.
+gpu-check:  ## on a CUDA GPU: run the GPU-only paths for real as a V100 would, beside the plan (no GPU: says so, exits 0); ARGS="--quick", "--as native" etc.
 	$(PY) scripts/gpu_check.py $(ARGS)
 
 finetune: setup  ## train with DeepSpeed ZeRO-3 (one process per GPU, or train.cpu_procs on CPU)
@@ -77,7 +77,7 @@ lint: setup  ## ruff (pyflakes + syntax errors) over the code, tests, bench and 
 test: setup  ## all tests but the extended ones, integration included (what CI runs)
 	$(PY) -m pytest -q --durations=25 -m "not extended" tests  # the 25 slowest close every run: the CI budget, watched
 
-test-all: setup  ## every test, the extended second paths too (QLoRA demo, optimizer offload, bench smoke)
+test-all: setup  ## every test, the extended second paths too (docs/testing.md lists them)
 	$(PY) -m pytest -q --durations=25 tests
 
 test-fast: setup  ## unit tests only (seconds)

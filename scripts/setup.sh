@@ -43,6 +43,28 @@ mkdir -p "$CACHE/src" "$CACHE/wheels" assets
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade "pip==26.3"
 
+# The one long step, llama.cpp's compile (minutes on 2 cores), starts first and runs in the background while the
+# packages install, the tokenizers and SmolLM2 are fetched and DeepSpeed's CPU op builds; it is waited for below.
+echo "setup: llama-cpp-python $LLAMA_CPP_VERSION (sdist, sha256-checked)"
+sdist="$CACHE/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
+if [[ ! -f "$sdist" ]] || ! echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --quiet; then
+  rm -f "$sdist"
+  $PIP download -q --no-deps --no-binary :all: -d "$CACHE/src" "llama-cpp-python==$LLAMA_CPP_VERSION"
+fi
+echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $sdist" >&2; exit 1; }
+variant="$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-8)"
+wheeldir="$CACHE/wheels/llama-cpp-$LLAMA_CPP_VERSION-$variant"
+LLAMA_PID=""
+if ! ls "$wheeldir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  echo "setup: compiling llama.cpp in the background (about 5 minutes on 2 cores; cached afterwards in $wheeldir;" \
+       "log: $CACHE/llama-build.log)"
+  rm -rf "$wheeldir.tmp"
+  ( CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+      $PIP wheel -q --no-deps -w "$wheeldir.tmp" "$sdist" && mv "$wheeldir.tmp" "$wheeldir" ) \
+    >"$CACHE/llama-build.log" 2>&1 &
+  LLAMA_PID=$!
+fi
+
 echo "setup: torch $TORCH_VERSION ($TORCH)"
 if [[ "$TORCH" == "cpu" ]]; then
   # The CPU wheel: a plain 'torch' would pull a multi-GB CUDA build.
@@ -82,22 +104,16 @@ echo "setup: pinned packages (requirements.lock)"
 grep -v -E '^(torch|llama[_-]cpp[_-]python)( |==|@)' requirements.lock > "$CACHE/lock-no-torch.txt"
 $PIP install -q -r "$CACHE/lock-no-torch.txt"
 
-echo "setup: llama-cpp-python $LLAMA_CPP_VERSION (sdist, sha256-checked)"
-sdist="$CACHE/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
-if [[ ! -f "$sdist" ]] || ! echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --quiet; then
-  rm -f "$sdist"
-  $PIP download -q --no-deps --no-binary :all: -d "$CACHE/src" "llama-cpp-python==$LLAMA_CPP_VERSION"
+DS_PID=""
+if [[ "$TORCH" == "cpu" ]]; then
+  # DeepSpeed JIT-compiles its CPU collective op the first time a CPU run starts (~100 s, then cached in
+  # ~/.cache/torch_extensions): build it here, beside llama.cpp, so that the first `make demo` does not wait for it.
+  ( DS_ACCELERATOR=cpu .venv/bin/python -c 'from deepspeed.accelerator import get_accelerator
+b = get_accelerator().create_op_builder("ShareMemCommBuilder")
+b.load(verbose=False) if b is not None else None' ) >"$CACHE/deepspeed-ops.log" 2>&1 &
+  DS_PID=$!
 fi
-echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $sdist" >&2; exit 1; }
-variant="$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-8)"
-wheeldir="$CACHE/wheels/llama-cpp-$LLAMA_CPP_VERSION-$variant"
-if ! ls "$wheeldir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "setup: compiling llama.cpp (about 10 minutes on 2 cores; cached afterwards in $wheeldir)"
-  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    $PIP wheel --no-deps -w "$wheeldir.tmp" "$sdist"
-  mv "$wheeldir.tmp" "$wheeldir"
-fi
-$PIP install -q --no-deps --force-reinstall "$wheeldir"/llama_cpp_python-*.whl
+
 
 echo "setup: llama.cpp converter from the same sdist -> assets/llama.cpp"
 rm -rf assets/llama.cpp.tmp && mkdir -p assets/llama.cpp.tmp
@@ -140,6 +156,14 @@ if [[ ! -f assets/models/smollm2-135m-instruct/zerotune_source.json ]]; then
   rm -rf "$CACHE/smollm2.tmp"
 fi
 
+if [[ -n "$LLAMA_PID" ]]; then
+  echo "setup: waiting for the llama.cpp compile"
+  wait "$LLAMA_PID" || { tail -n 40 "$CACHE/llama-build.log" >&2; echo "setup: compiling llama-cpp-python failed (log above, whole: $CACHE/llama-build.log)" >&2; exit 1; }
+fi
+$PIP install -q --no-deps --force-reinstall "$wheeldir"/llama_cpp_python-*.whl
+if [[ -n "$DS_PID" ]] && ! wait "$DS_PID"; then  # not fatal: the first CPU run builds it instead
+  echo "setup: DeepSpeed's CPU op did not build ahead ($CACHE/deepspeed-ops.log); the first run builds it (~100 s)"
+fi
 .venv/bin/python -m pip install -q --no-deps -e .
 echo "$stamp" > .venv/.zerotune-setup
 echo "setup: done"

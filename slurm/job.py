@@ -6,6 +6,10 @@
       for this allocation's (nodes x processes): what `zerotune finetune` does before torchrun
       (train.before_launch). stdout gets one line for the script: PROCS_PER_NODE DEVICE RUN_DIR.
       A user error: one message, exit 2.
+      The batch script runs it in the background and forwards its time-limit warning (USR1) to it: a conversion
+      stops at once, leaving the checkpoint as it was and nothing half-built, and the preflight exits 75 (requeue
+      it; the second such stop in a row without a trained step exits 1). A conversion estimated not to end before
+      the warning ($ZEROTUNE_DEADLINE - SIGNAL_LEAD_S) is not started: one message, exit 2.
       It also resolves the recipe (overrides and the allocation applied) into RUN_DIR/train/recipe.resolved.yaml,
       which every rank and finalize read: srun starts `python -m zerotune.train torchrun RUN_DIR ...` on each
       node, as `zerotune finetune` does on one (src/zerotune/train/__main__.py).
@@ -29,18 +33,41 @@ silence_known_noise()
 
 from zerotune import manifest as mf  # noqa: E402
 from zerotune.checkpoint import last_committed  # noqa: E402
-from zerotune.stopping import REQUEUE_EXIT  # noqa: E402
+from zerotune.stopping import DEADLINE_ENV, REQUEUE_EXIT  # noqa: E402
 from zerotune.config import load_recipe  # noqa: E402
 from zerotune.errors import EXIT_CODE, UserError, report  # noqa: E402
 from zerotune.layout import RunLayout  # noqa: E402
 from zerotune.train.handoff import Outcome  # noqa: E402
 
+# finetune.sbatch's warning lead (#SBATCH --signal=B:USR1@900; tests/test_slurm.py checks that they agree). A
+# --signal given to sbatch overrides the script's but not this: SLURM does not tell a job its own lead.
+SIGNAL_LEAD_S = 900
+
 
 def preflight(recipe: str, overrides: list[str]) -> int:
+    import signal
+
+    from zerotune import interrupt
+
+    # The batch script forwards its USR1 here (its default action would kill this process): a conversion stops on
+    # it at once (universal.convert); anything else finishes, and then the preflight stops instead of launching.
+    signal.signal(signal.SIGUSR1, interrupt.record)
+    try:
+        return _preflight(recipe, overrides)
+    finally:
+        # The script sends a pending USR1 again every 2 s until this process is gone, and at exit Python puts the
+        # default action (kill: exit 138, not this one's code) back for a handler it set, but not for an ignored one.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def _preflight(recipe: str, overrides: list[str]) -> int:
+    from zerotune import interrupt
     from zerotune.planner.compute import compute_plan
     from zerotune.planner.report import format_plan
     from zerotune.train import before_launch
 
+    deadline = os.environ.get(DEADLINE_ENV)
+    convert_by = float(deadline) - SIGNAL_LEAD_S if deadline else None
     gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0)
     nodes = int(os.environ.get("SLURM_NNODES") or 1)
     try:
@@ -51,11 +78,34 @@ def preflight(recipe: str, overrides: list[str]) -> int:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the script's one line
             plan = compute_plan(r)  # once: printed here, then every check of before_launch reads it
             print(format_plan(plan), flush=True)
-            before_launch(r, nodes * procs, plan=plan)
+            before_launch(r, nodes * procs, plan=plan, convert_by=convert_by)
     except UserError as e:
         return report(e)
+    except interrupt.Stopped as e:
+        return stopped_in_preflight(r.out, e.signal, e.detail)
+    if interrupt.asked():
+        return stopped_in_preflight(r.out, interrupt.asked(), "before the launch")
     print(procs, "GPU" if gpus else "CPU", r.out)
     return 0
+
+
+def stopped_in_preflight(run_dir: Path, signal: str, detail: str) -> int:
+    """A stop before any worker started: requeued once (75); the second in a row without a trained step is not
+    (1), as outcome() does for workers stopped before their first step: the same job would stop there again."""
+    job = os.environ.get("SLURM_JOB_ID", "?")
+    no_progress = RunLayout(run_dir).no_progress
+    said = f"finetune: stopped by {signal} during the preflight, {detail}"
+    if (mf.read(no_progress) or {}).get("job") == job:
+        print(f"{said}, for the second attempt in a row without a trained step: not requeued. The time left after "
+              f"startup is shorter than the preflight (a conversion to another world size: its estimate is above) "
+              f"plus the warning lead (--signal). Resubmit with a longer --time, or on the number of GPUs that "
+              f"wrote the checkpoint.", file=sys.stderr, flush=True)
+        return 1
+    mf.write(no_progress, {"job": job})
+    then = (f"requeueing job {job}, which runs the preflight again" if signal == "SIGUSR1" else
+            "the job is ending (scancel, preemption): resubmit the same command unless SLURM requeues it")
+    print(f"{said}; {then}", file=sys.stderr, flush=True)
+    return REQUEUE_EXIT
 
 
 def outcome(run_dir: Path, srun_rc: int) -> int:

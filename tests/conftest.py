@@ -59,21 +59,22 @@ def tiny_gguf(tmp_path_factory, tiny_model_dir) -> Path:
     return out
 
 
-def zt(*args: str, timeout: int = 1200):
-    """`python -m zerotune ARGS` as a user runs it, from the repo root; fails the test with the log tail."""
+def zt(*args: str, timeout: int = 1200, env: dict | None = None):
+    """`python -m zerotune ARGS` as a user runs it, from the repo root; fails the test with the log tail.
+    env: variables added to this process's environment (a fault injection, faults.py)."""
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "zerotune", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
     if proc.returncode != 0:
         raise AssertionError(f"zerotune {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
     return proc
 
 
-def _zt(*args: str, timeout: int = 1200) -> str:
-    proc = zt(*args, timeout=timeout)
+def _zt(*args: str, timeout: int = 1200, env: dict | None = None) -> str:
+    proc = zt(*args, timeout=timeout, env=env)
     return proc.stdout + proc.stderr
 
 
@@ -148,10 +149,13 @@ def tiny_dpo_reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_trained_40(tmp_path_factory):
     """tiny, 40 steps on 2 ZeRO-3 CPU ranks, validation only at the end: (run folder, log). Shared so that
-    the runs compared with it (evaluation during training) don't retrain it."""
+    the runs compared with it (evaluation during training) don't retrain it. Its samples gather per generated
+    token (the fault that finds no room to gather the whole model, as one 8xV100 node at 8B), tiny_eval_run's
+    gather the model once: the same final weights, so the same answers (test_eval_training.py)."""
     out = tmp_path_factory.mktemp("tiny_run")
     _zt("data", "tiny", f"output_dir={out}")
-    return out, _zt("finetune", "tiny", f"output_dir={out}", *TINY_STEPS)
+    return out, _zt("finetune", "tiny", f"output_dir={out}", *TINY_STEPS,
+                    env={"ZEROTUNE_FAULT_NO_ROOM_TO_GATHER": "1"})
 
 
 @pytest.fixture(scope="session")

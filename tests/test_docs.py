@@ -185,3 +185,71 @@ def test_the_module_table_names_every_module():
     missing = [str(f.relative_to(pkg)) for f in sorted(pkg.rglob("*.py"))
                if f.name not in ("__init__.py",) and f"`{f.name}`" not in table and f"`{f.relative_to(pkg)}`" not in table]
     assert not missing, f"docs/layout.md's module table does not name {missing}"
+
+
+def _extended_tests() -> set[tuple[str, str]]:
+    """(file, test function) of every test marked `extended`, read from the test files themselves."""
+    import ast
+
+    out = set()
+    for f in sorted((REPO / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and any(
+                    ast.unparse(d).endswith("mark.extended") for d in node.decorator_list):
+                out.add((f"tests/{f.name}", node.name))
+    return out
+
+
+def test_the_extended_table_lists_exactly_the_tests_marked_extended():
+    """The marker is the one source of which tests CI leaves out; docs/testing.md's table must name each of them
+    (with the path CI covers instead) and nothing else (issue 43: the lists in pyproject, the Makefile help and the
+    docs had drifted apart)."""
+    text = (REPO / "docs" / "testing.md").read_text()
+    table = text[text.index("| extended test |"):text.index("\n\n", text.index("| extended test |"))]
+    named = set()
+    for row in table.splitlines()[2:]:
+        first = row.split(" | ")[0]
+        current = None
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)?::(\w+)", first):
+            current = path or current
+            named.add((current, name))
+    assert named == _extended_tests()
+    for place in (REPO / "pyproject.toml", REPO / "Makefile"):  # they point at the table, they do not repeat it
+        assert "docs/testing.md" in place.read_text()
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.lower()).strip().replace(" ", "-")
+
+
+def test_the_code_points_at_docs_that_exist():
+    """What the code cites from docs/ (a page, a #section, or a page and a quoted "Heading") is there: a pointer
+    to a README section that had moved survived in quant_types.py (issue 43)."""
+    bad = []
+    for f in [*(REPO / "src").rglob("*.py"), *(REPO / "scripts").glob("*.py"), *(REPO / "slurm").glob("*")]:
+        text = f.read_text() if f.is_file() else ""
+        for page, anchor, quoted in re.findall(r'(docs/[a-z_]+\.md|README\.md)(?:#([a-z0-9-]+))?(?:, "([^"]+)")?', text):
+            doc = REPO / page
+            if not doc.exists():
+                bad.append(f"{f.name}: {page}")
+                continue
+            slugs = {_slug(h) for h in re.findall(r"^#+ (.+)$", doc.read_text(), re.M)}
+            if anchor and anchor not in slugs:
+                bad.append(f"{f.name}: {page}#{anchor}")
+            if quoted and _slug(quoted) not in slugs:
+                bad.append(f'{f.name}: {page}, "{quoted}"')
+    assert not bad, bad
+
+
+def test_gguf_checks_reads_keys_by_name():
+    """gguf_checks.py's own rule (its docstring): GGUF keys and tensor names come from gguf-py, never as strings."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "assets" / "llama.cpp" / "gguf-py"))
+    import gguf
+
+    keys = {v for group in vars(gguf.Keys).values() if isinstance(group, type)
+            for v in vars(group).values() if isinstance(v, str) and "." in v}
+    names = {f"{n}.weight" for n in gguf.TENSOR_NAMES.values()}
+    literals = set(re.findall(r'"([a-z_0-9.]+)"', (REPO / "src" / "zerotune" / "gguf_checks.py").read_text()))
+    assert not literals & (keys | names), sorted(literals & (keys | names))

@@ -165,3 +165,33 @@ def test_a_new_batch_in_the_same_storage_gets_its_own_documents():
             a = dense(input_ids=ids, position_ids=pos, use_cache=False).logits
             b = docs(input_ids=ids, position_ids=shared, use_cache=False).logits
         assert (a - b).abs().max() < 1e-10, lens
+
+
+def test_no_call_asks_for_enable_gqa(monkeypatch):
+    """On a V100 (no flash kernel) and on CPU, SDPA's enable_gqa is taken only by the math kernel (torch sdp_utils:
+    check_batch_size_and_num_heads_dense<false> for the memory-efficient kernel): training rows, a padded batch and
+    every decode step of generation must reach SDPA without it, and still equal transformers' sdpa (found by the
+    gpu-check's V100 emulation guard)."""
+    import torch.nn.functional as F
+
+    real, seen = F.scaled_dot_product_attention, []
+
+    def spy(*a, **kw):
+        seen.append(bool(kw.get("enable_gqa")))
+        return real(*a, **kw)
+
+    dense, docs = _model("qwen3", "sdpa").eval(), _model("qwen3", NAME).eval()
+    docs.load_state_dict(dense.state_dict())
+    ids = torch.randint(1, 128, (2, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = dense.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=5, do_sample=False)
+        want_padded = dense(input_ids=ids, attention_mask=mask).logits
+        monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+        got = docs.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=5, do_sample=False)
+        got_padded = docs(input_ids=ids, attention_mask=mask).logits
+        pos = torch.cat([torch.arange(4), torch.arange(6)])[None]
+        docs(input_ids=ids[:1], position_ids=pos, use_cache=False)
+    assert torch.equal(got, want)
+    assert (got_padded - want_padded).abs().max() < 1e-10
+    assert seen and not any(seen)

@@ -131,6 +131,21 @@ def test_evaluating_mid_training_leaves_the_training_losses_unchanged(tiny_eval_
 
 
 @pytest.mark.integration
+def test_samples_gathered_once_equal_samples_gathered_per_token(tiny_eval_run, tiny_trained_40):
+    """Issue 41: under ZeRO-3 the samples gather the whole model once per round where it fits (train/validation.py
+    whole_model, as TRL's unwrap_model_for_generation), not once per generated token; the answers are the same as
+    the per-token path's (tiny_trained_40 has no room, by fault injection: the same final weights), and the
+    training after a gathered round is unchanged (test_evaluating_mid_training_leaves_the_training_losses_unchanged)."""
+    def last(out):
+        return [(s["prompt"], s["prediction"]) for s in map(json.loads, (out / "train" / "samples.jsonl").read_text()
+                                                             .splitlines()) if s["step"] == 40]
+
+    assert "(the whole model gathered once)" in tiny_eval_run[1]
+    assert "gathered once" not in tiny_trained_40[1]
+    assert len(last(tiny_eval_run[0])) == 4 and last(tiny_eval_run[0]) == last(tiny_trained_40[0])
+
+
+@pytest.mark.integration
 def test_samples_and_curves_are_written(tiny_eval_run):
     out, _ = tiny_eval_run
     samples = [json.loads(x) for x in (out / "train" / "samples.jsonl").read_text().splitlines()]

@@ -226,3 +226,22 @@ def test_llama_cpp_converts_each_family_with_identical_tokens(name, tmp_path):
         assert report["eog_known_quirk"] == [[128247, "</s>"]] or report["eog_known_quirk"] == [(128247, "</s>")]
     else:
         assert report["pre_tokenizer"] == "granite-embed-multi-311m" and report["eog_known_quirk"] == []
+
+
+def test_the_docs_family_table_says_what_the_code_chooses_and_allows():
+    """docs/training.md's precision columns mean one thing: what `train.precision: auto` picks on that GPU, then in
+    brackets what else it accepts (families.table_rows); issue 43 found the docs and the code meaning different
+    things by the same column."""
+    from conftest import REPO
+
+    text = (REPO / "docs" / "training.md").read_text()
+    rows = {line.split(" | ")[0].strip("| "): line.strip("|").split(" | ") for line in text.splitlines()
+            if line.startswith(("| llama |", "| qwen3 |", "| gemma3 |"))}
+    for row in families.table_rows(hardware.GPUS):
+        fam = families.FAMILIES[row["family"]]
+        cells = rows[row["family"]][-3:]
+        for cell, gpus in zip(cells, (("v100-32gb", "t4"), ("a100-80gb", "h100-80gb", "h200"), ("cpu",))):
+            for g in gpus:
+                auto = hardware.choose(hardware.GPUS[g], family=fam, fa2_installed=True).precision
+                others = [p for p in row["precisions"][g] if p != auto]
+                assert cell.strip() == auto + (f" ({', '.join(others)})" if others else ""), (row["family"], g, cell)

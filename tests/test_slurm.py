@@ -62,6 +62,18 @@ def test_finetune_requeues_and_appends_to_its_log():
     assert any(d.startswith("--signal=B:USR1@") for d in directives)
 
 
+def test_the_preflight_knows_the_scripts_warning_lead():
+    """slurm/job.py refuses a conversion that would not end before the time-limit warning; SLURM does not tell a job
+    its --signal lead, so job.py states the script's: the two must agree."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("slurm_job", SLURM / "job.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+    lead = re.search(r"^#SBATCH\s+--signal=B:USR1@(\d+)$", (SLURM / "finetune.sbatch").read_text(), flags=re.M)
+    assert lead and int(lead.group(1)) == job.SIGNAL_LEAD_S
+
+
 def test_deadline_rule():
     from zerotune.stopping import MARGIN_FRACTION, MARGIN_S, out_of_time, seconds_needed
 
@@ -156,6 +168,7 @@ def _stop_callback(monkeypatch, deadline: float, step_s: float, save_s: float):
         for s, h in handlers.items():
             signal.signal(s, h)
     stop.step_times, stop.save_s = [step_s], save_s
+    stop.end_estimate = lambda: (0.0, "measured")  # nothing after the last step unless a test says so
     return stop
 
 
@@ -196,3 +209,27 @@ def test_deadline_at_the_last_step_finalizes_instead_of_requeueing(monkeypatch):
     stop.requested = "SIGTERM"
     _step_end(stop, 5, 5)
     assert stop.stopped_at == 5 and stop.reason == "SIGTERM"
+
+
+def test_the_last_step_reserves_the_end_of_trainings_validation_and_samples(monkeypatch, capsys):
+    """Issue 41 item 1: after the last step the job still validates, samples, consolidates and finalizes; a job
+    killed inside those is not requeued. The last step finishes only when all of that fits (the samples' time
+    measured this attempt or planned, train/validation.py), else it commits and stops, and the requeued job does
+    the rest. Two 2-minute saves and 30 minutes left: 20 minutes of samples fit, 30 do not; and with no
+    estimate at all the end of training is assumed to take one step."""
+    from zerotune.stopping import seconds_needed
+
+    now, step_s, save_s = 1_000_000.0, 60.0, 120.0
+    monkeypatch.setattr("time.time", lambda: now)
+    for end_s, stops in ((1200.0, False), (1800.0, True)):
+        stop = _stop_callback(monkeypatch, now + 1800, step_s, save_s)
+        stop.end_estimate = lambda e=end_s: (e, "planned")
+        assert (seconds_needed(0, 2 * save_s + end_s) > 1800) is stops
+        _step_end(stop, 5, 5)
+        assert (stop.stopped_at == 5) is stops and (stop.reason == "deadline" if stops else stop.reason is None)
+    out = capsys.readouterr().out
+    assert "the end of training needs ~2,304 s (validation and samples ~1,800 s planned" in out
+    stop = _stop_callback(monkeypatch, now + 1800, 1700.0, save_s)
+    stop.end_estimate = lambda: None
+    _step_end(stop, 5, 5)
+    assert stop.stopped_at == 5 and "~1,700 s assumed: one step" in capsys.readouterr().out

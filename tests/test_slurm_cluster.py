@@ -1,7 +1,8 @@
 """slurm/*.sbatch on a real two-node SLURM cluster (scripts/slurm_local_cluster.sh): prepare -> finetune on 2 nodes
 x 1 CPU process (ZeRO-3 over gloo) -> a time-limit USR1 mid-run -> committed checkpoint -> automatic requeue ->
 resume -> the same per-step losses as an uninterrupted run -> quantize. Also a USR1 while the workers start,
-scancel mid-run followed by a manual resubmit, and a 2-node checkpoint resubmitted on 1 node."""
+scancel mid-run followed by a manual resubmit, a 2-node checkpoint resubmitted on 1 node, and a USR1 while the
+preflight converts such a checkpoint."""
 
 from __future__ import annotations
 
@@ -166,6 +167,41 @@ def test_two_node_checkpoint_resumes_on_one_node(slurm, requeued, reference, tmp
     assert [r["step"] for r in b if "loss" in r] == list(range(1, STEPS + 1))
     for x, y in zip(a, (r for r in b if "loss" in r)):
         assert y["loss"] == pytest.approx(x["loss"], abs=5e-6), (x, y)  # test_resume.py's LOSS_ABS, and why
+
+
+def test_usr1_while_converting_stops_at_once_and_requeues(slurm, prepared, reference, tmp_path):
+    """A 2-process checkpoint resubmitted on 1 node: the preflight converts it, slowed down by a fault hook as an 8B
+    conversion takes ~27 min. The time-limit warning during it is handled at once: the conversion stops, nothing
+    half-built is left, the checkpoint is as it was, the job is requeued. The run folder's name has glob and regex
+    characters, which DeepSpeed's converter reads unescaped: its part of the conversion ran before the warning."""
+    run = tmp_path / "run (copy)+[1]"
+    shutil.copytree(prepared / "data", run / "data")
+    ckpt = run / "checkpoints" / "checkpoint-8"
+    shutil.copytree(reference / "checkpoints" / "checkpoint-8", ckpt)  # written by 2 processes
+
+    def files():
+        return {str(f.relative_to(ckpt)): (f.stat().st_size, f.stat().st_mtime_ns) for f in ckpt.rglob("*")}
+
+    original = files()
+    job = slurm.sbatch("--nodes=1", "--time=30", "--export=ALL,ZEROTUNE_FAULT_SLOW_CONVERSION=600",
+                       "slurm/finetune.sbatch", "tiny", f"output_dir={run}", *COMMON, "train.cpu_procs=1")
+    wait_until(lambda: "faults: ZEROTUNE_FAULT_SLOW_CONVERSION=600" in slurm.log(job), "the conversion", timeout=300)
+    assert (ckpt / "universal.tmp" / "global_step8" / "zero").is_dir(), "DeepSpeed's part, through the alias"
+    t0 = time.time()
+    slurm.run("scancel", "--signal=USR1", "--batch", job)  # what SLURM's --signal=B:USR1@900 does
+    wait_until(lambda: int(slurm.job(job)["Restarts"]) >= 1, "the requeue", timeout=120)
+    took = time.time() - t0
+    slurm.run("scancel", job)  # the requeued attempt would convert again: nothing more to see here
+    log = slurm.log(job)
+    assert took < 30, f"the stop took {took:.0f} s: {log[-3000:]}"
+    assert "finetune: SIGUSR1 (time-limit warning) during the preflight: stopping it" in log, log[-3000:]
+    assert re.search(r"finetune: stopped by SIGUSR1 during the preflight, \d+ s into converting checkpoint-8 to "
+                     r"DeepSpeed's universal format \(estimated ~\d+ s\): the half-built conversion was removed and "
+                     rf"checkpoint-8 is intact; requeueing job {job}, which runs the preflight again", log), log[-3000:]
+    assert "Traceback" not in log and "asking the workers" not in log
+    assert not (ckpt / "universal.tmp").exists() and not (ckpt / "universal").exists()
+    assert files() == original, "the checkpoint as it was"
+    assert json.loads((run / "train" / "stopped_before_training.json").read_text()) == {"job": job}
 
 
 def _alive(pids: Path) -> bool:

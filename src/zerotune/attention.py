@@ -19,7 +19,8 @@ Why a loop over documents and not PyTorch's variable-length kernel. `aten::_effi
 `cu_seqlens` and would be one kernel call, but it is a private CUDA-only op: CPU (this repository's CI) could not
 run the path the V100 runs, and its backward is reached only through nested tensors (torch/nested/_internal/
 sdpa.py), unverified on sm70. The loop uses only the public SDPA API, runs the same code on CPU and GPU, and costs
-one kernel launch per document per layer (~40 documents per 16K row: well under 1% of a V100 micro-step at 8B).
+one kernel launch per document per layer (~40 documents per 16K row: ~0.1 s of host time per 8B micro-step,
+hidden behind the GPU's work); the documents are cut out with split, whose backward is one concatenation.
 bench/bench_attention.py measures what it saves.
 
 K/V are repeated to all query heads (as transformers' sdpa does whenever it passes a mask): SDPA's `enable_gqa`
@@ -97,13 +98,13 @@ def _attend(q, k, v, window: int | None, dropout: float, scale: float | None):
     w = window
     rows = torch.arange(w, device=q.device)[:, None]
     parts = []
-    for c in range(0, d, w):
+    for c, qc in zip(range(0, d, w), q.split(w, 2)):  # keys overlap between blocks: sliced, within the document
         lo, hi = max(0, c - w + 1), min(d, c + w)
-        qi = rows[: min(w, d - c)] + c
+        qi = rows[: qc.shape[2]] + c
         kj = torch.arange(lo, hi, device=q.device)[None, :]
         mask = (kj <= qi) & (kj > qi - w)
-        parts.append(F.scaled_dot_product_attention(q[:, :, c:c + w], k[:, :, lo:hi], v[:, :, lo:hi],
-                                                    attn_mask=mask, dropout_p=dropout, scale=scale))
+        parts.append(F.scaled_dot_product_attention(qc, k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask,
+                                                    dropout_p=dropout, scale=scale))
     return torch.cat(parts, dim=2)
 
 
@@ -114,7 +115,15 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     if attention_mask is not None or query.shape[2] != key.shape[2]:
-        # a padded batch or a KV cache: one document per row, SDPA exactly as attn_implementation="sdpa" runs it
+        # a padded batch or a KV cache: one document per row, SDPA as attn_implementation="sdpa" runs it, except
+        # that no call asks for enable_gqa (transformers sets it whenever no mask is given; on sm70 and CPU only
+        # the math kernel takes it): a decode step packs the query heads onto their K/V head instead
+        if attention_mask is None and query.shape[2] == 1 and getattr(module, "num_key_value_groups", 1) > 1:
+            return _decode_step(module, query, key, value, dropout, scaling)
+        if attention_mask is None and getattr(module, "num_key_value_groups", 1) > 1:
+            groups = module.num_key_value_groups
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+            module = _OneGroup(module)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       sliding_window=sliding_window, position_ids=position_ids, **kwargs)
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
@@ -124,12 +133,37 @@ def document_attention(module, query, key, value, attention_mask, dropout: float
     spans = _spans(position_ids, batch, q_len)
     groups = getattr(module, "num_key_value_groups", 1)
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # keep the fused kernels eligible (docstring)
+    # split, not sliced: the backward of a slice writes into a zero tensor the size of the whole input, once per
+    # document (40 documents x 3 tensors of a 16K row per layer at 8B: ~60 GiB of memory traffic), where the
+    # backward of a split is one concatenation
     rows = []
-    for b, docs in enumerate(spans):
-        rows.append(torch.cat([_attend(query[b:b + 1, :, s:e], key[b:b + 1, :, s:e], value[b:b + 1, :, s:e],
-                                       sliding_window, dropout, scaling) for s, e in docs], dim=2))
+    for qb, kb, vb, docs in zip(query.split(1), key.split(1), value.split(1), spans):
+        lengths = [e - s for s, e in docs]
+        rows.append(torch.cat([_attend(q, k, v, sliding_window, dropout, scaling) for q, k, v in zip(
+            qb.split(lengths, 2), kb.split(lengths, 2), vb.split(lengths, 2))], dim=2))
     out = rows[0] if batch == 1 else torch.cat(rows, dim=0)
     return out.transpose(1, 2).contiguous(), None
+
+
+class _OneGroup:
+    """The layer as sdpa_attention_forward sees it once K/V already have every query head: no grouping left."""
+    num_key_value_groups = 1
+
+    def __init__(self, module):
+        self.is_causal = getattr(module, "is_causal", True)
+        self.layer_idx = getattr(module, "layer_idx", None)
+
+
+def _decode_step(module, query, key, value, dropout: float, scale: float | None):
+    """One new token against the cache, no mask: the n_rep query heads of each K/V head become n_rep query rows of
+    that head (transformers' pack_gqa), one non-causal SDPA call with no K/V copy and no enable_gqa."""
+    import torch.nn.functional as F
+
+    b, h, _, d = query.shape
+    groups = module.num_key_value_groups
+    q = query.reshape(b, h // groups, groups, d)
+    out = F.scaled_dot_product_attention(q, key, value, dropout_p=dropout, scale=scale)
+    return out.reshape(b, h, 1, d).transpose(1, 2).contiguous(), None
 
 
 def document_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,

@@ -8,9 +8,13 @@ Enabled only by environment variables that the tests set; inert otherwise.
   weight shard gets a NaN (a diverged or corrupted update), which the commit check must refuse.
 - ZEROTUNE_FAULT_EVAL_OOM_STEP=N: the validation of step N runs out of memory, as a 16K eval forward that
   materialises the logits does on a V100: the step must already be committed.
+- ZEROTUNE_FAULT_NO_ROOM_TO_GATHER=1: the in-training samples find no room to gather the whole model (as one 8xV100
+  node at 8B), so generate() gathers per token under ZeRO-3 (train/validation.py whole_model).
 - ZEROTUNE_FAULT_KILL_WHILE_CONVERTING=1: the launcher is killed (SIGKILL, as a node failure or scancel's
   second signal would) while it converts a checkpoint to another world size, after DeepSpeed has written the
   conversion and before it is checked and published: the original must be intact and the next attempt resume.
+- ZEROTUNE_FAULT_SLOW_CONVERSION=S: at the same point the conversion waits S seconds, as an 8B one takes ~27 min,
+  so that a test can send the time-limit warning (USR1) while it converts: it must stop at once, clean.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ ENV_NAN_LOSS = "ZEROTUNE_FAULT_NAN_LOSS_STEP"
 ENV_NAN_WEIGHT = "ZEROTUNE_FAULT_NAN_WEIGHT_STEP"
 ENV_EVAL_OOM = "ZEROTUNE_FAULT_EVAL_OOM_STEP"
 ENV_KILL_CONVERTING = "ZEROTUNE_FAULT_KILL_WHILE_CONVERTING"
+ENV_NO_ROOM_TO_GATHER = "ZEROTUNE_FAULT_NO_ROOM_TO_GATHER"
+ENV_SLOW_CONVERSION = "ZEROTUNE_FAULT_SLOW_CONVERSION"
+
+
+def no_room_to_gather() -> bool:
+    return os.environ.get(ENV_NO_ROOM_TO_GATHER) == "1"
 
 
 def eval_out_of_memory(step: int) -> None:
@@ -40,6 +50,16 @@ def kill_while_converting() -> None:
 
         print(f"faults: {ENV_KILL_CONVERTING}: killing this process while it converts", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_conversion() -> None:
+    """Called by universal.convert at the same point as kill_while_converting, inside its stoppable block."""
+    seconds = os.environ.get(ENV_SLOW_CONVERSION)
+    if seconds:
+        import time
+
+        print(f"faults: {ENV_SLOW_CONVERSION}={seconds}: the conversion waits {seconds} s", flush=True)
+        time.sleep(float(seconds))
 
 
 class NaNLossAt(TrainerCallback):

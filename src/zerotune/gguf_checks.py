@@ -148,7 +148,7 @@ def read_header(path: Path) -> GGUFHeader:
 
 
 def _parse(buf, path: Path, size: int) -> GGUFHeader:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, Keys
 
     pos = 0
 
@@ -228,7 +228,7 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         for d in shape:
             n *= d
         tensors.append(TensorInfo(name, shape, qt.name, offset, n // block * type_size))
-    align = fields.get("general.alignment", 32)
+    align = fields.get(Keys.General.ALIGNMENT, 32)
     data_offset = (pos + align - 1) // align * align
     return GGUFHeader(path, version, fields, offsets, tensors, data_offset, size)
 
@@ -288,13 +288,14 @@ def tool_probe(tok) -> tuple[list, list | None, str]:
 def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE_CHATS) -> dict:
     """Token ids, chat prompts and end-of-generation tokens from HF and from llama.cpp (vocab only)."""
     import llama_cpp
+    from gguf import Keys
     from transformers import AutoTokenizer
 
     from .families import of_config
 
     family = of_config(Path(model_dir) / "config.json")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    has_template = bool(read_header(gguf).get("tokenizer.chat_template"))
+    has_template = bool(read_header(gguf).get(Keys.Tokenizer.CHAT_TEMPLATE))
     quiet.drop_llama_cpp_log(b"> n_ctx_train (0)")  # a vocab-only load has no training context to overflow
     llm = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False, chat_format=CHAT_FORMAT if has_template else None)
     try:
@@ -366,7 +367,9 @@ def _type_problems(hdr: GGUFHeader, qtype: str) -> tuple[list[str], list[str]]:
 
 
 def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
-    from gguf import Keys
+    from gguf import MODEL_TENSOR, TENSOR_NAMES, Keys
+
+    rope_freqs = f"{TENSOR_NAMES[MODEL_TENSOR.ROPE_FREQS]}.weight"
 
     path, model_dir, qtype = Path(path), Path(model_dir), qtype.lower()
     hdr = read_header(path)
@@ -382,9 +385,9 @@ def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
     hf_cfg = json.loads((model_dir / "config.json").read_text())
     names = [t.name for t in hdr.tensors]
     rope = (hf_cfg.get("rope_scaling") or hf_cfg.get("rope_parameters") or {})
-    if rope.get("rope_type") == "llama3" and "rope_freqs.weight" not in names:
-        problems.append("rope_freqs.weight is missing although the model uses llama3 rope scaling (llama.cpp PR #8676).")
-    expected_tensors = hf_tensor_count(model_dir) + (1 if "rope_freqs.weight" in names else 0)
+    if rope.get("rope_type") == "llama3" and rope_freqs not in names:
+        problems.append(f"{rope_freqs} is missing although the model uses llama3 rope scaling (llama.cpp PR #8676).")
+    expected_tensors = hf_tensor_count(model_dir) + (1 if rope_freqs in names else 0)
     if len(names) != expected_tensors:
         problems.append(f"{len(names)} tensors in the GGUF, expected {expected_tensors} from the HF checkpoint.")
     wrong, fallback = _type_problems(hdr, qtype)
@@ -435,7 +438,7 @@ def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
         "pre_tokenizer": pre, "chat_template": True, "chat_format": parity["chat_format"],
         "chat_prompts_identical": len(PROBE_CHATS) + parity["tool_chat_compared"],
         "tool_chat": parity["tool_chat"], "tensors": len(names), "tensor_types": types,
-        "k_quant_fallbacks": fallback, "rope_freqs": "rope_freqs.weight" in names,
+        "k_quant_fallbacks": fallback, "rope_freqs": rope_freqs in names,
         "probe_texts_identical": len(PROBE_TEXTS), "eog_tokens": parity["eog_tokens"],
         "eos_token": parity["gguf_eos_token"], "turn_end_token": parity["turn_end_token"],
         "family": parity["family"], "family_end_of_turn": parity["family_end_of_turn"],

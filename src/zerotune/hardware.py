@@ -56,6 +56,12 @@ def peak_tflops(gpu: GPU, precision: str) -> float | None:
 #   A100-SXM4-80GB 79.15: the figure in PyTorch OOM reports from A100-80GB hosts (vLLM and PyTorch users;
 #     levihsu/OOTDiffusion#235 shows 79.25 on another A100); not measured here.
 #   H100-SXM5-80GB 79.11: vllm-project/vllm#27508 (H100); not measured here.
+#   H200-SXM-141GB 139.80: measured on the H200 lent to this repo on 2026-11-26 (torch 2.11 / CUDA 13.0,
+#     get_device_properties total_memory 150,109,880,320 bytes; bench/results/gpu_check/h200_2026-11-26.log).
+# H200 SXM from NVIDIA's H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200): 141 GB HBM3e,
+#   4.8 TB/s, FP16/BF16 tensor 1,979 TFLOPS with sparsity (989 dense), FP32 67. Same Hopper die as the H100 SXM:
+#   the same MFU assumption. Its cluster is DGX H100's (a DGX H200 has the same NVLink4 and 8x NDR); that
+#   cluster's HBM figure is the H100's 3.35 TB/s, which only scales the optimizer-step term (planner/time.py).
 GPUS = {
     "v100-32gb": GPU("V100-SXM2-32GB", (7, 0), 125.0, bf16=False, flash_attention_2=False, usable_gib=31.75,
                      default_mfu=0.35, cluster="v100-sxm2-1xedr", fp32_tflops=15.7),
@@ -65,6 +71,8 @@ GPUS = {
                      default_mfu=0.40, cluster="a100-sxm4-8xhdr", fp32_tflops=19.5),
     "h100-80gb": GPU("H100-SXM5-80GB", (9, 0), 989.0, bf16=True, flash_attention_2=True, usable_gib=79.11,
                      default_mfu=0.35, cluster="h100-sxm5-8xndr", fp32_tflops=67.0),
+    "h200": GPU("H200-SXM-141GB", (9, 0), 989.0, bf16=True, flash_attention_2=True, usable_gib=139.80,
+                default_mfu=0.35, cluster="h100-sxm5-8xndr", fp32_tflops=67.0),
     "cpu": GPU("CPU", None, None, bf16=False, flash_attention_2=False),
 }
 # llama.cpp on a GPU beside its weights and KV cache: CUDA context + compute buffers (0.3-0.8 GiB measured at
@@ -106,6 +114,57 @@ def detect() -> GPU:
         cap = torch.cuda.get_device_capability(0)
         return gpu_for_capability(cap, torch.cuda.get_device_name(0))
     return GPUS["cpu"]
+
+
+# torch.cuda.get_arch_list() of torch 2.11.0+cu126 (pytorch #182250): from torch 2.11 only the CUDA 12.6 builds
+# carry Volta (sm_70), and Pascal and Maxwell with it (#172352 dropped it from cu128; CUDA 13 dropped it, #157517).
+CU126_ARCHS = ("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90")
+
+
+def runs_on(capability: tuple[int, int], arch_list) -> bool:
+    """Whether a torch build whose torch.cuda.get_arch_list() is `arch_list` has code a GPU of `capability` runs:
+    sm_XY (SASS) runs on X.Y and on later minors of the same major (sm_80 on an 8.6 card), never on another major;
+    compute_XY (PTX) is compiled by the driver for X.Y and anything later. An arch-specific "a" build (sm_90a) runs
+    on its own X.Y only (CUDA's compatibility rules; torch.cuda._check_capability applies the same)."""
+    major, minor = capability
+    for arch in arch_list:
+        kind, _, code = arch.partition("_")
+        digits = code.rstrip("abcdefghijklmnopqrstuvwxyz")
+        if kind not in ("sm", "compute") or not digits.isdigit():
+            continue
+        x, y = divmod(int(digits), 10)
+        if code.endswith("a"):
+            ok = (x, y) == (major, minor)
+        elif kind == "sm":
+            ok = x == major and y <= minor
+        else:
+            ok = (x, y) <= (major, minor)
+        if ok:
+            return True
+    return False
+
+
+def require_kernels() -> None:
+    """Refuse, in one message, a torch build without code for this machine's GPUs: every CUDA op would fail
+    ("no kernel image is available") after minutes of loading. Nothing to check on CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    archs = torch.cuda.get_arch_list()
+    for i in range(torch.cuda.device_count()):
+        cap = torch.cuda.get_device_capability(i)
+        if runs_on(cap, archs):
+            continue
+        sm = f"sm_{cap[0]}{cap[1]}"
+        fix = (f"install a CUDA 12.6 build, the last that carries {sm}: `make setup TORCH=cu126` (torch 2.11-2.14 "
+               "cu126 wheels; CUDA 13 builds dropped Volta, pytorch #157517, and cu128 builds did from 2.11, #172352)"
+               if runs_on(cap, CU126_ARCHS) else
+               f"install a torch build whose torch.cuda.get_arch_list() covers {sm} (`make setup TORCH=<its CUDA tag>`, "
+               "see https://pytorch.org/get-started/locally/)")
+        raise CapabilityError(f"GPU {i} ({torch.cuda.get_device_name(i)}, compute capability {cap[0]}.{cap[1]}) has no "
+                              f"kernels in this torch {torch.__version__} (CUDA {torch.version.cuda}; built for "
+                              f"{', '.join(archs) or 'nothing'}): {fix}.")
 
 
 def flash_attn_installed() -> bool:

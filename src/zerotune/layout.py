@@ -151,6 +151,10 @@ class RunLayout:
         return self.train / RESOLVED_RECIPE
 
     @property
+    def run_plan(self) -> Path:  # launcher -> every rank: the launch's Plan (phase times the deadline reserves)
+        return self.train / "plan.json"
+
+    @property
     def train_manifest(self) -> Path:  # finalize -> quantize, check: how the published model was trained
         return self.train / "manifest.json"
 

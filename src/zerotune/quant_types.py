@@ -6,8 +6,8 @@ llama.cpp's quantizer (`llama_model_quantize` with `ftype`, LLAMA_FTYPE in inclu
 length is a multiple of 256, llama.cpp's per-tensor 32-block fallback elsewhere; gguf_checks reports those).
 `bpw`: bits per weight for size planning (llama.cpp's block layouts; K-quant mixes as llama.cpp reports them
 for Llama models). `max_kl` / `min_top1`: check's gates on mean KL(HF || GGUF) nats/token and top-1 agreement
-on assistant tokens. Q8_0 and Q6_K are set from bench/bench_quant.py on the fine-tuned SmolLM2-135M (README,
-"Quantization on a real model"): mean KL about 3x the measured 6.0e-3 (Q8_0) and 1.4e-2 (Q6_K), top-1 at what
+on assistant tokens. Q8_0 and Q6_K are set from bench/bench_quant.py on the fine-tuned SmolLM2-135M
+(docs/smollm2_demo.md, "Quantization on a real model"): mean KL about 3x the measured 6.0e-3 (Q8_0) and 1.4e-2 (Q6_K), top-1 at what
 was measured less 0.02-0.05. The K-quant mixes keep tighter gates than SmolLM2 reaches on purpose: its width 576
 is not a multiple of 256, so 166 of 211 matrices fall back to Q5_1/Q5_0 and the measured KL (0.14 Q5_K_M, 0.074
 Q4_K_M, perplexity +11-13%) is a real loss that check should reject; Llama-3.1-8B's rows (4096, 14336) take

@@ -42,12 +42,14 @@ def out_of_time(now: float, deadline: float | None, step_s: float | None, save_s
     return now + seconds_needed(step_s, step_s if save_s is None else save_s) > deadline
 
 
-def finalize_fits(now: float, deadline: float | None, save_s: float) -> bool:
-    """At the last step, whose checkpoint is saved anyway: whether the rest of the job (the consolidated 16-bit
-    save, then finalize's reload and check) ends before the deadline, so the job finishes instead of being
-    requeued only to finalize. Both move 2 bytes per parameter where a checkpoint moves 14 (fp32 weights, Adam
-    m and v, the 16-bit copy): two checkpoint saves, with the margin, bound them. No deadline: unknown, no."""
-    return deadline is not None and now + seconds_needed(0, 2 * save_s) <= deadline
+def finalize_fits(now: float, deadline: float | None, save_s: float, end_s: float = 0.0) -> bool:
+    """At the last step, whose checkpoint is saved anyway: whether the rest of the job ends before the deadline,
+    so the job finishes instead of being requeued only to finalize: the end of training's validation and samples
+    (end_s: at 8B on several nodes they take minutes, and a job killed inside them is not requeued), then the
+    consolidated 16-bit save and finalize's reload and check. Those two move 2 bytes per parameter where a
+    checkpoint moves 14 (fp32 weights, Adam m and v, the 16-bit copy): two checkpoint saves, with the margin,
+    bound them. No deadline: unknown, no."""
+    return deadline is not None and now + seconds_needed(0, 2 * save_s + end_s) <= deadline
 
 
 class TrainingComplete(Exception):
@@ -93,6 +95,9 @@ class StopOnSignal(TrainerCallback):
         self.deadline = float(deadline) if deadline else None
         self.step_times: list[float] = []
         self.save_s: float | None = None
+        # seconds the end of training's validation and samples take, and how that is known (train/validation.py
+        # EvalDuringTraining.end_of_training_s: measured this attempt, else the launch's plan); None: unknown
+        self.end_estimate = lambda: None
         self._step_t0: float | None = None
         self._save_t0: float | None = None
         pid_dir = os.environ.get(PID_DIR_ENV)
@@ -161,21 +166,32 @@ class StopOnSignal(TrainerCallback):
         local = 2.0 if self.requested else 1.0 if out_of_time(now, self.deadline, step_s, self.save_s) else 0.0
         flag = self._max_over_ranks(args, local)
         save_s = self.save_s if self.save_s is not None else step_s
-        if flag > 0 and state.global_step >= state.max_steps and self._all_ranks(
-                args, self.requested in (None, "SIGUSR1") and finalize_fits(now, self.deadline, save_s or 0.0)):
-            # the last step: the Trainer saves it and training ends anyway; finishing beats a requeue
-            if state.is_world_process_zero:  # (a SIGTERM, a preemption or scancel, still stops: it may be final)
-                print(f"finetune: {'the deadline is near' if flag < 2 else self.requested + ' received'} at the last "
-                      f"step ({state.global_step}): saving it and finalizing (~{seconds_needed(0, 2 * (save_s or 0.0)):,.0f} s "
-                      f"needed, {self.deadline - now:,.0f} s left)", flush=True)
-            return control
+        last_why = None
+        if state.global_step >= state.max_steps and (flag > 0 or self.deadline is not None):
+            # the last step: the Trainer saves it, then the end of training validates, samples, consolidates and
+            # finalizes; finishing beats a requeue when all of that fits (a SIGTERM, a preemption or scancel, still
+            # stops: it may be final), else it stops here committed and the requeued job does the rest
+            end_s, how = self.end_estimate() or (step_s or 0.0, "assumed: one step")
+            need = seconds_needed(0, 2 * (save_s or 0.0) + end_s)
+            if self._all_ranks(args, self.requested in (None, "SIGUSR1")
+                               and finalize_fits(now, self.deadline, save_s or 0.0, end_s)):
+                if flag > 0 and state.is_world_process_zero:
+                    print(f"finetune: {'the deadline is near' if flag < 2 else self.requested + ' received'} at the "
+                          f"last step ({state.global_step}): saving it and finalizing (~{need:,.0f} s needed, "
+                          f"validation and samples ~{end_s:,.0f} s {how}; {self.deadline - now:,.0f} s left)", flush=True)
+                return control
+            if flag < 2:  # no next step to fit: what follows the last one does not
+                flag = 1.0
+                last_why = (f"the job ends in {self.deadline - now:,.0f} s and the end of training needs ~{need:,.0f} s "
+                            f"(validation and samples ~{end_s:,.0f} s {how}, the consolidated save and finalize); "
+                            "the requeued job validates and finalizes")
         if flag > 0:
             control.should_save = True
             control.should_training_stop = True
             self.stopped_at = state.global_step
             self.reason = "deadline" if flag < 2 else (self.requested or "a signal on another rank")
             if state.is_world_process_zero:
-                why = (f"{self.reason} received" if flag >= 2 else
+                why = (f"{self.reason} received" if flag >= 2 else last_why or
                        f"the job ends in {self.deadline - now:,.0f} s and the next step + save needs "
                        f"~{seconds_needed(step_s, self.save_s if self.save_s is not None else step_s):,.0f} s")
                 print(f"finetune: {why}: checkpointing at step {state.global_step} and stopping", flush=True)

@@ -140,11 +140,11 @@ def check(r, ckpt: Path, saved: int, world: int) -> None:
             f"all: {', '.join(map(str, ok))}).") from None
 
 
-def prepare(r, world: int, free_needed: int = 0) -> Path | None:
+def prepare(r, world: int, free_needed: int = 0, convert_by: float | None = None) -> Path | None:
     """In the launcher, before any worker: when the newest committed checkpoint was written at another world size,
     make sure it has a universal conversion (build it once, or reuse it) and return its folder; else None.
     free_needed: what the rest of the run still needs on output_dir's file system after the conversion (the
-    launch's plan, Plan.disk["needed_free_bytes"])."""
+    launch's plan, Plan.disk["needed_free_bytes"]). convert_by: when a conversion must have ended (convert)."""
     from .layout import layout
 
     ckpt = last_committed(layout(r).checkpoints, quiet=True)
@@ -166,9 +166,10 @@ def prepare(r, world: int, free_needed: int = 0) -> Path | None:
     else:
         if why != "not converted":
             print(f"finetune: the universal conversion of {ckpt.name} is unusable ({why}): converting again", flush=True)
+        _refuse_without_time(ckpt, saved, convert_by)  # before saying it converts
         print(f"finetune: {ckpt.name} was written by {procs(saved)} and this run has {world}: converting it once "
               f"to DeepSpeed's universal format in {view(ckpt)} (the original is only read)", flush=True)
-        m = convert(ckpt, saved, free_needed=free_needed)
+        m = convert(ckpt, saved, free_needed=free_needed, convert_by=convert_by)
         print(f"finetune: converted in {m.elapsed_s:.1f} s: {m.bytes / 1e9:.2f} GB beside {ckpt.name} (fp32 "
               f"weights, Adam m and v of {sum(p['numel'] for p in m.params.values()):,} parameters; "
               f"{m.peak_bytes / 1e9:.2f} GB at the peak of the conversion)", flush=True)
@@ -176,58 +177,162 @@ def prepare(r, world: int, free_needed: int = 0) -> Path | None:
     return view(ckpt)
 
 
-def convert(ckpt: Path, saved_world: int, free_needed: int = 0) -> Conversion:
-    """Build checkpoint-N/universal/ beside the original and publish it by rename; returns its marker."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    from . import faults
-    from .planner.disk import tree_bytes
+def convert(ckpt: Path, saved_world: int, free_needed: int = 0, convert_by: float | None = None) -> Conversion:
+    """Build checkpoint-N/universal/ beside the original and publish it by rename; returns its marker.
+    convert_by: the unix time a conversion must have ended by (slurm/job.py: the job's time-limit warning, whose
+    USR1 stops it), or None; a conversion estimated not to end by then is refused before it starts.
+    A stop (SIGUSR1, SIGTERM: interrupt.py) while converting removes the half-built folder and raises Stopped."""
+    from . import interrupt
+    from .planner.disk import CONVERT_BYTES_PER_S, tree_bytes
 
     ckpt = Path(ckpt)
     tag = tag_of(ckpt)
     src = ckpt / tag
     shards = sorted(src.glob("*zero_pp_rank_*_optim_states.pt"))
     size = sum(f.stat().st_size for f in shards)
+    estimate = size / CONVERT_BYTES_PER_S
+    _refuse_without_time(ckpt, saved_world, convert_by)
     # DeepSpeed writes every fragment to a temp folder, then the merged files and a whole copy of rank 0's shard
     # beside them, and removes the temp folder last (ds_to_universal.py:1318-1353); the result stays held until
     # this checkpoint rotates away, while the run goes on needing what disk_preflight counted.
     peak = 2 * size + size // saved_world
+    shutil.rmtree(staging(ckpt), ignore_errors=True)  # a half-built earlier attempt is not space this one needs
     free = shutil.disk_usage(ckpt).free
     if free < max(peak, size + free_needed):
         raise UserError(f"{ckpt.parent} has {free / 2**30:.1f} GiB free; converting {ckpt.name} to another world size "
                         f"needs {peak / 2**30:.1f} GiB while it runs and keeps {size / 2**30:.1f} GiB beside it, "
                         f"and the run needs {free_needed / 2**30:.1f} GiB more after it. Free space, or resume with "
                         f"{procs(saved_world)}.")
+    if interrupt.asked():  # a stop came during the preflight, before this: do not begin
+        raise interrupt.Stopped(interrupt.asked(), f"before converting {ckpt.name} to DeepSpeed's universal format "
+                                                 f"(estimated ~{_minutes(estimate)}); {ckpt.name} is intact")
     tmp = staging(ckpt)
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
-    args = _Args(input_folder=str(src), output_folder=str(tmp / tag),
-                 # one process each: no fork of this launcher (which has torch loaded), and host memory bounded by
-                 # one rank's shard (extract) and one parameter's fragments (merge)
-                 num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                 # ZeRO-3 needs no universal_checkpoint_info (DeepSpeed #5430 is ZeRO-1/2: ds_to_universal.py:1167-1171)
-                 inject_missing_state=False)
-    out = io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            ds_to_universal.main(args)  # prints progress bars: kept out of the job log, shown if it fails
-    except Exception as e:
-        raise RuntimeError(f"DeepSpeed's universal conversion of {src} failed ({e}); {ckpt} is intact. Its output:\n"
-                           f"{out.getvalue()[-3000:]}") from e
+        with interrupt.stoppable():
+            try:
+                fields = _build(ckpt, tag, shards, tmp, saved_world, peak, t0)
+            except BaseException:
+                interrupt.hold()  # a second stop must not cut the removal short
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-built is left for the next attempt
+                raise
+    except interrupt.Stopped as e:
+        raise interrupt.Stopped(e.signal, f"{time.time() - t0:.0f} s into converting {ckpt.name} to DeepSpeed's "
+                                         f"universal format (estimated ~{_minutes(estimate)}): the half-built "
+                                         f"conversion was removed and {ckpt.name} is intact") from None
+    marker = Conversion(**fields, bytes=tree_bytes(tmp))
+    marker.write(tmp)
+    mf.publish(tmp, view(ckpt))  # fsync, then rename: a reader sees no conversion or a whole one
+    return marker
+
+
+def _build(ckpt: Path, tag: str, shards: list[Path], tmp: Path, saved_world: int, peak: int, t0: float) -> dict:
+    """DeepSpeed's conversion into tmp/, checked against the original shards; returns the Conversion record's
+    fields but its size (convert measures it once the build is whole)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    from . import faults
+
+    src = ckpt / tag
+    tmp.mkdir(parents=True)
+    with _regex_safe_alias(src, tmp) as (src_alias, tmp_alias):
+        args = _Args(input_folder=str(src_alias), output_folder=str(tmp_alias / tag),
+                     # one process each: no fork of this launcher (which has torch loaded), and host memory bounded
+                     # by one rank's shard (extract) and one parameter's fragments (merge)
+                     num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+                     # ZeRO-3 needs no universal_checkpoint_info (DeepSpeed #5430 is ZeRO-1/2: ds_to_universal.py:1167-1171)
+                     inject_missing_state=False)
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                ds_to_universal.main(args)  # prints progress bars: kept out of the job log, shown if it fails
+        except Exception as e:
+            raise RuntimeError(f"DeepSpeed's universal conversion of {src} failed ({e}); {ckpt} is intact. Its "
+                               f"output:\n{out.getvalue()[-3000:]}") from e
     faults.kill_while_converting()
+    faults.slow_conversion()
     _slim_optimizer_state(tmp / tag / "zero" / "optimizer_state.pt")
     params = _checksums(tmp / tag / "zero")
     _compare_with_shards(shards, params, src)
     for name in TRAINER_FILES:
         if (ckpt / name).is_file():
             shutil.copy2(ckpt / name, tmp / name)
-    marker = Conversion(source=str(src), source_world_size=saved_world, step=_step(tag),
-                        elapsed_s=round(time.time() - t0, 2), params=params, peak_bytes=peak,
-                        files={str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()},
-                        bytes=tree_bytes(tmp))
-    marker.write(tmp)
-    mf.publish(tmp, view(ckpt))  # fsync, then rename: a reader sees no conversion or a whole one
-    return marker
+    return dict(source=str(src), source_world_size=saved_world, step=_step(tag), elapsed_s=round(time.time() - t0, 2),
+                params=params, peak_bytes=peak,
+                files={str(f.relative_to(tmp)): f.stat().st_size for f in sorted(tmp.rglob("*")) if f.is_file()})
+
+
+# What DeepSpeed's converter may meet in a path without harm: it builds a glob and a regex from the unescaped path
+# (ds_to_universal.py:251 glob.glob(f"{prefix_path}.*"), :260 re.compile(f"{prefix_path}\\.([0-9]+)"), :1064 the
+# input folder's glob), so `[1]` is a glob character class and `(copy)+` a regex group in a run folder's name.
+# A "." stays safe: as a regex it matches itself too.
+_SAFE_PATH = re.compile(r"[A-Za-z0-9_./-]+")
+
+
+@contextlib.contextmanager
+def _regex_safe_alias(src: Path, out: Path):
+    """(src, out) as symlinks in a fresh temp folder whose own path DeepSpeed's globs and regexes read literally.
+    Everything the converter writes goes through the `out` link into `out` itself, beside the checkpoint; its
+    `latest_universal` too (written into the output folder's parent, ds_to_universal.py:1374-1377)."""
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="zerotune-universal-"))
+    try:
+        if not _SAFE_PATH.fullmatch(str(base)):
+            raise UserError(f"the temp folder {base} has characters DeepSpeed's universal converter reads as glob or "
+                            f"regex syntax (it has no escaping): set TMPDIR to a folder whose path has only letters, "
+                            f"digits and _ . / - (e.g. TMPDIR=/tmp), then resubmit.")
+        (base / "src").symlink_to(Path(src).resolve(), target_is_directory=True)
+        (base / "out").symlink_to(Path(out).resolve(), target_is_directory=True)
+        yield base / "src", base / "out"
+    finally:
+        for link in ("src", "out"):
+            (base / link).unlink(missing_ok=True)  # the links, never what they point to
+        base.rmdir()
+
+
+@contextlib.contextmanager
+def glob_safe(folder: Path):
+    """`folder`, or an alias of it that glob reads literally: transformers finds a DeepSpeed checkpoint to resume with
+    glob.glob(f"{checkpoint_path}/global_step*") (integrations/deepspeed.py deepspeed_load_checkpoint, unescaped), so
+    a run folder named `run [1]` resumes nothing. The alias is a symlink in a fresh temp folder, kept while the
+    caller loads (the worker: the whole trainer.train call)."""
+    import glob
+
+    if glob.escape(str(folder)) == str(folder):
+        yield Path(folder)
+        return
+    with _regex_safe_alias(folder, folder) as (alias, _):
+        yield alias
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _refuse_without_time(ckpt: Path, saved_world: int, convert_by: float | None) -> None:
+    """Refuse a conversion estimated not to end before `convert_by` (None: no limit): started, the warning would
+    stop it and throw it away, and a requeued job with the same time limit would do the same again."""
+    from .stopping import seconds_needed
+    from .planner.disk import CONVERT_BYTES_PER_S
+
+    if convert_by is None:
+        return
+    size = sum(f.stat().st_size for f in (Path(ckpt) / tag_of(ckpt)).glob("*zero_pp_rank_*_optim_states.pt"))
+    estimate = size / CONVERT_BYTES_PER_S
+    need = seconds_needed(estimate, 0)  # the workers' rule for a step: 10% and a minute in hand
+    left = convert_by - time.time()
+    if need <= left:
+        return
+    raise UserError(
+        f"{ckpt} was written by {procs(saved_world)}: converting it for this job takes ~{_minutes(estimate)} "
+        f"(an estimate: {size / 1e9:.2f} GB of optimizer state at {CONVERT_BYTES_PER_S / 1e6:g} MB/s; "
+        f"~{_minutes(need)} with the margin), but this job has {_minutes(max(left, 0))} left before its time-limit "
+        f"warning (--signal=B:USR1), which would stop the conversion and throw it away: not started, and not "
+        f"requeued (the next attempt would have no more time). Resubmit with a --time at least "
+        f"{_minutes(need - left + 60)} longer (the conversion is kept for later jobs), or on {procs(saved_world)} "
+        f"(the number of GPUs that wrote it), which resumes without converting.")
 
 
 class _Args:

@@ -42,8 +42,8 @@ def attention_span(docs: dict | None, seq: int) -> tuple[float, str]:
     it was prepared at this seq_len (docs: _doc_lengths), else the assumption (capped by the row)."""
     if docs and docs.get("attention_span") and docs.get("seq_len") == seq:
         return float(docs["attention_span"]), "the prepared data's documents (data manifest attention_span)"
-    return float(min(seq, ASSUMED_ATTENTION_SPAN)), (f"assumed: documents spanning {ASSUMED_ATTENTION_SPAN:,} tokens "
-                                                     "per token (run make data to measure yours)")
+    return float(min(seq, ASSUMED_ATTENTION_SPAN)), ("assumed until `make data` measures your documents; "
+                                                     "bench chats: 786, rounded up")
 
 
 def flops_per_step(r: Recipe, shape, seq, micro: int, attention: str, docs: dict | None) -> dict:

@@ -87,7 +87,8 @@ def format_time(p: Plan) -> list[str]:
              f"recompute {t['flops_recompute']:.3g}, attention {t['flops_attention']:.3g} {t['attention_kind']})"]
     if t.get("attention_span"):
         lines.append(f"  attention per document ({p.choice['attention']}): each token attends over "
-                     f"{t['attention_span']:,.0f} tokens on average, {t['attention_span_from']}")
+                     f"{t['attention_span']:,.0f} tokens on average ({t['attention_span_from']}), not the whole "
+                     f"{p.recipe_config['seq_len']:,}-token row")
     if not t["seconds_per_step"]:
         return lines + ["  no time estimate for this target (no peak TFLOPS)"]
     pm, tt, fp = t["per_micro_step"], t["terms"], t["fixed_parts"]

@@ -48,18 +48,23 @@ def materialise_base(r: Recipe) -> Path:
     return out
 
 
-def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = False, plan=None) -> None:
+def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = False, plan=None,
+                  convert_by: float | None = None) -> None:
     """What is checked and built before any worker starts, and the recipe every process of the run reads.
     world: the job's process count; a committed checkpoint written at another one is converted here
     (universal.py), once, before any worker waits on it (None: the caller launches no training).
     plan: the launch's planner.compute.Plan when the caller has it already (slurm/job.py prints it first); computed
-    here otherwise, once, and handed to the memory gate, the disk gate and the conversion."""
+    here otherwise, once, and handed to the memory gate, the disk gate and the conversion.
+    convert_by: the unix time a conversion must end by (slurm/job.py: the job's time-limit warning); None: no limit.
+    A stop while converting raises interrupt.Stopped, with nothing half-built left (universal.convert)."""
     from .. import universal
     from ..checkpoint import last_committed
+    from ..hardware import require_kernels
     from ..planner.compute import compute_plan
     from ..planner.gate import disk_preflight, preflight
     from ..hub import require_weights
 
+    require_kernels()  # a torch wheel without this GPU's architecture fails every CUDA op, after minutes of loading
     require_weights(r)  # on this node, offline: the workers never download (`zerotune fetch` does, beforehand)
     require_prepared(r)  # fail here, in seconds, not after the launch
     if world is not None:  # a resume that cannot keep the global batch: its own message, before the plan's
@@ -72,9 +77,10 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
         preflight(plan, r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)
         disk_preflight(plan, r, r.out)
     if world is not None:
-        universal.prepare(r, world, free_needed=plan.disk["needed_free_bytes"])
+        universal.prepare(r, world, free_needed=plan.disk["needed_free_bytes"], convert_by=convert_by)
     materialise_base(r)
     write_resolved_recipe(layout(r).train, r)  # layout(r).run_recipe: what the workers and finalize read
+    mf.write(layout(r).run_plan, plan.to_json())  # the phase times the workers' deadline reserves (stopping.py)
     layout(r).stopped.unlink(missing_ok=True)  # how the workers end is read after they do: only theirs may be there
     errors.clear_handoffs(layout(r).train)
 
@@ -83,9 +89,16 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
     """Start the distributed job; returns its exit code."""
     import torch
 
+    from ..stopping import REQUEUE_EXIT
+    from ..interrupt import Stopped
+
     n_gpu = torch.cuda.device_count()
     nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
-    before_launch(r, nproc, skip_preflight)
+    try:
+        before_launch(r, nproc, skip_preflight)
+    except Stopped as e:  # SIGUSR1/SIGTERM while converting a checkpoint (universal.convert)
+        print(f"finetune: stopped on {e.signal}, {e.detail}; run the same command again to resume.", flush=True)
+        return REQUEUE_EXIT
     env = dict(os.environ)
     env["HF_HUB_OFFLINE"] = "1"  # before_launch found the weights locally: no rank contacts the hub
     if n_gpu == 0:

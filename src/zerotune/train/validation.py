@@ -28,7 +28,9 @@ tests expect), goes to stdout, and to wandb when on; answers go to runs/<r>/trai
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 
 from transformers import TrainerCallback
@@ -114,6 +116,28 @@ class EvalDuringTraining(TrainerCallback):
         self._rewound = False
         self._pending: int | None = None  # a due step whose validation has not run yet
         self._stepped = False  # this attempt has trained a step
+        self.longest_s: float | None = None  # the longest validation + samples of this attempt
+        self.trainer = None  # attach: its DeepSpeed engine (made inside train()) gathers the model for the samples
+        if stop is not None:  # the deadline reserves the end of training's validation and samples (stopping.py)
+            stop.end_estimate = self.end_of_training_s
+
+    def attach(self, trainer) -> None:
+        self.trainer = trainer
+
+    def end_of_training_s(self) -> tuple[float, str] | None:
+        """(seconds, how it is known) for the validation and samples after the last step: the longest this
+        attempt measured, else the launch's plan (layout.run_plan, planner/time.py phase_times), else None."""
+        if self.longest_s is not None:
+            return self.longest_s, "measured"
+        if not self.eval_path.exists() and self.r.eval.samples <= 0:
+            return 0.0, "(nothing to validate or sample)"
+        plan = mf.read(layout(self.r).run_plan) or {}
+        phases = plan.get("phases") or {}
+        running = [phases[n] for n in ("validation", "samples") if (phases.get(n) or {}).get("runs", True)]
+        seconds = [(ph.get("time") or {}).get("seconds") for ph in running]
+        if not running or any(s is None for s in seconds):
+            return None
+        return sum(seconds), "planned"
 
     # -- what and when ----------------------------------------------------------------------------------
     def _due(self, state) -> bool:
@@ -191,6 +215,7 @@ class EvalDuringTraining(TrainerCallback):
             if config is not None:
                 config.use_cache = use_cache
         row["eval_s"] = round(time.perf_counter() - t0, 2)
+        self.longest_s = max(self.longest_s or 0.0, row["eval_s"])
         if state.is_world_process_zero:
             self._report(step, row, samples)
 
@@ -224,8 +249,12 @@ class EvalDuringTraining(TrainerCallback):
         from ..scorers import score
 
         family = of_config(model.config)  # Qwen3: scored after its thinking block, as check and eval score
-        preds = hf_generate(model, tok, stop, rows, es.max_new_tokens, batch_size=1, device=device,
-                            synced_gpus=bool(_dist()) and is_deepspeed_zero3_enabled())
+        sharded = bool(_dist()) and is_deepspeed_zero3_enabled()
+        engine = self.trainer.model_wrapped if self.trainer is not None else None
+        with whole_model(engine, device) if sharded else contextlib.nullcontext(False) as gathered:
+            preds = hf_generate(model, tok, stop, rows, es.max_new_tokens, batch_size=1, device=device,
+                                synced_gpus=sharded and not gathered)
+        self.gathered = gathered
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
         return [{"step": step, "set": es.name, "prompt": row["messages"][-1].get("content"), "reference": row["answer"],
                  "prediction": pred, "score": score(es.scorer, answer_text(family, pred), row, es.pattern)}
@@ -243,8 +272,9 @@ class EvalDuringTraining(TrainerCallback):
             parts.append(f"val_loss {row['val_loss']:.4f}, reward accuracy {row['val_reward_accuracy']:.3f}, "
                          f"margin {row['val_reward_margin']:.4f} ({row['val_pairs']:,} pairs)")
         if samples:
+            how = " (the whole model gathered once)" if getattr(self, "gathered", False) else ""
             parts.append(f"samples {sum(s['score'] for s in samples):g}/{len(samples)} correct "
-                         f"({samples[0]['set']}); e.g. {samples[0]['prediction']!r}")
+                         f"({samples[0]['set']}{how}); e.g. {samples[0]['prediction']!r}")
         print(f"finetune: eval: {', '.join(parts)} [{row['eval_s']:.1f}s]", flush=True)
         if samples:
             mf.append_jsonl(self.samples_path, samples)
@@ -257,6 +287,57 @@ class EvalDuringTraining(TrainerCallback):
                     cols = ["step", "set", "prompt", "reference", "prediction", "score"]
                     logs["eval/samples"] = wandb.Table(columns=cols, data=[[s[c] for c in cols] for s in samples])
                 wandb.log({**logs, "train/global_step": step})
+
+
+@contextlib.contextmanager
+def whole_model(engine, device):
+    """Generate with every parameter gathered once, not once per new token: under ZeRO-3 each forward of generate()
+    gathers the whole model again (at 8B, 16 GB per token; across nodes ~1.6 s a token, planner/time.py
+    phase_times). DeepSpeed's own unwrap_model_for_generation (deepspeed 0.19.8 runtime/zero/stage3.py:94-123, as
+    TRL's of the same name) gathers the parameters on every rank, takes ZeRO-3's module hooks off so no forward
+    releases them, and puts them back after (re-registering invalidates the trace, parameter_offload.py:337-343).
+    Only where every rank has room for the whole 16-bit model beside what it holds (room_to_gather, agreed over
+    ranks; the plan predicts the same with its samples phase); else per-token gathers, and the context yields False."""
+    from deepspeed.runtime.zero import unwrap_model_for_generation
+
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    if offload is None or not room_to_gather(offload.module, device):
+        yield False
+        return
+    with unwrap_model_for_generation(engine):
+        yield True
+
+
+def room_to_gather(module, device) -> bool:
+    """Whether every rank can hold the whole model in its 16-bit dtype beside what it holds now: free device memory
+    (a GPU's, or the host's available RAM shared by this node's ranks) at least 1.25x the model (the generation's
+    KV cache and activations in the rest), the minimum over ranks (the gather is a collective: all or none)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import faults
+
+    whole = sum(p.ds_numel * p.ds_tensor.element_size() for p in module.parameters())
+    if torch.cuda.is_available():
+        # the driver's free memory does not count what PyTorch's allocator holds cached from the training step (at
+        # a 16K step, most of the card): hand it back first, as the gather would reuse it anyway
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = _available_ram() / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    ok = torch.tensor(0.0 if faults.no_room_to_gather() or free < 1.25 * whole else 1.0, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def _available_ram() -> float:
+    """The host's MemAvailable (Linux /proc/meminfo), in bytes; 0 where unknown (then nothing is gathered)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0.0
 
 
 def _sample_prompts(r: Recipe):

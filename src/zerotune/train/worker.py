@@ -232,10 +232,12 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
                             # validation after CommitCheckpoints: a step is committed before it is validated
                             callbacks=[EndAtLastStep(), *(objective.callbacks(run) if objective else ()), safety,
                                        metrics, stop, commit,
-                                       EvalDuringTraining(r, metrics, run.choice.liger, stop,
-                                                          measure=objective.validate if objective else None),
+                                       evaluation := EvalDuringTraining(r, metrics, run.choice.liger, stop,
+                                                                        measure=objective.validate if objective
+                                                                        else None),
                                        *faults.callbacks(model)], **extra)
     safety.attach(trainer)
+    evaluation.attach(trainer)
     if run.universal is not None:  # after DeepSpeed loaded the conversion: restore what it leaves out, and check
         from ..universal import CheckUniversalLoad
         trainer.add_callback(CheckUniversalLoad(trainer, run.universal, run.saved_world))
@@ -271,6 +273,9 @@ def choose_resume(r: Recipe, run: Run, metrics):
 def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
     """trainer.train; returns the seconds it took. A signal or the deadline ends the process here with
     REQUEUE_EXIT after writing stopped.json (a committed checkpoint, or none before the first step)."""
+    import contextlib
+
+    from .. import universal
     from ..checkpoint import describe_failure, last_committed, step_of
     from ..stopping import REQUEUE_EXIT, StopBeforeTraining, TrainingComplete
 
@@ -279,7 +284,8 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
     t0 = time.time()
     try:
         # another world size: the Trainer and DeepSpeed resume from the conversion, a complete resume folder
-        trainer.train(resume_from_checkpoint=str(run.universal or resume) if resume else None)
+        with universal.glob_safe(run.universal or resume) if resume else contextlib.nullcontext(None) as path:
+            trainer.train(resume_from_checkpoint=str(path) if path else None)
     except TrainingComplete as e:  # the weights are loaded: what is left is the end of training, then finalize
         run.say(f"{e}: nothing left to train")
         trainer.control = trainer.callback_handler.on_train_end(trainer.args, trainer.state, trainer.control)
