@@ -54,6 +54,12 @@ serve: setup  ## OpenAI-compatible server over the GGUF on 127.0.0.1
 	$(ZT) serve $(RECIPE) $(OVERRIDES)
 
 demo: setup  ## the whole chain on CPU: data -> finetune -> quantize -> eval -> check (check reuses eval's answers) (last line: JSON summary)
+	@# a recipe that starts from another recipe's published model (smollm2_dpo from runs/smollm2/model) trains that
+	@# recipe first when its model is missing
+	@up=$$($(PY) -c 'import sys; from zerotune.config import load_recipe; from zerotune.layout import upstream_to_train; \
+	print(upstream_to_train(load_recipe(sys.argv[1], sys.argv[2:])) or "")' $(RECIPE) $(OVERRIDES)) && \
+	if [ -n "$$up" ]; then echo "demo: $(RECIPE) starts from recipe $$up's model, not trained yet: make data finetune RECIPE=$$up first" >&2; \
+	$(MAKE) --no-print-directory data finetune RECIPE=$$up; fi
 	$(ZT) data $(RECIPE) $(OVERRIDES)
 	$(ZT) finetune $(RECIPE) $(OVERRIDES)
 	$(ZT) quantize $(RECIPE) $(OVERRIDES)

@@ -16,6 +16,13 @@ fine-tuned model must keep answering them (check enforces eval's max_drop on thi
 filtered by the base model's answers: SmolLM2-135M gets about three quarters right, and the number that matters
 is the difference. Numbers accept digits or words (a list of references: any match counts).
 
+Preference pairs (recipe smollm2_dpo, after the smollm2 SFT run): the same task, chosen = the correct record,
+rejected = a plausible wrong one, of the kinds a fine-tuned model gets wrong: a value swapped for a familiar one
+from the SFT data (a training city or job instead of the sentence's), the name cut to its first word, the age off,
+the job capitalised, prose after the JSON. Training pairs (pairs.jsonl) use a third set of names, cities, jobs and
+sentence shapes, disjoint from both the SFT training data and the held-out set; the held-out pairs
+(heldout_pairs.jsonl) are the 60 held-out prompts, each with one wrong record.
+
 Run: python scripts/make_smollm2_data.py   (output is committed; rerunning is deterministic)
 """
 
@@ -55,6 +62,16 @@ HELDOUT_SHAPES = [
     "Our new neighbour in {city} is {name}; the {job} turned {age} this spring.",
 ]
 PROMPT = "Extract name, age, city and job as JSON: {sentence}"
+# preference pairs (smollm2_dpo): a third vocabulary and sentence shapes, disjoint from training and held-out
+D_FIRST = "Alma Boris Cecilia Dmitri Esther Filippo Greer Hamish Irene Joakim Kamila Luuk Matilde Niamh Oriol".split()
+D_LAST = "Aalto Brennan Castillo Duarte Engel Falk Gruber Haas Ivanova Jovanovic Kuiper Lindgren Mazur Nyberg".split()
+D_CITIES = "Antwerp Basel Cork Dresden Espoo Faro Gdansk Haarlem Innsbruck Kaunas Leiden Maastricht".split()
+D_JOBS = "sommelier falconer luthier archivist cobbler ropemaker wheelwright bellfounder miller tinsmith".split()
+D_SHAPES = [
+    "{name}, {age}, is a {job} living in {city}.",
+    "Living in {city}, {name} works as a {job} and is {age}.",
+    "The {job} {name} ({age}) calls {city} home.",
+]
 
 RETENTION = [
     ("What is the capital of France?", "Paris"),
@@ -126,6 +143,42 @@ def main() -> None:
     with open(out / "retention.jsonl", "w") as f:
         for q, a in RETENTION:
             f.write(json.dumps({"messages": [{"role": "user", "content": q}], "answer": a}) + "\n")
+
+    preference_pairs(out, heldout_rows=[json.loads(line) for line in open(out / "heldout.jsonl")])
+
+
+def wrong_record(rng, p: dict) -> str:
+    """A plausible wrong answer for person p: one mistake of the kinds a fine-tuned model makes."""
+    q = dict(p)
+    kind = rng.choice(["city", "job", "name", "age", "case", "prose"])
+    if kind == "city":
+        q["city"] = rng.choice([c for c in CITIES if c != p["city"]])
+    elif kind == "job":
+        q["job"] = rng.choice([j for j in JOBS if j != p["job"]])
+    elif kind == "name":
+        q["name"] = p["name"].split()[0]
+    elif kind == "age":
+        q["age"] = p["age"] + rng.choice([-10, -1, 1, 10])
+    elif kind == "case":
+        q["job"] = p["job"].capitalize()
+    text = json.dumps(q)
+    return text + " This JSON object lists the person's details." if kind == "prose" else text
+
+
+def preference_pairs(out: Path, heldout_rows: list) -> None:
+    for d, used in ((D_FIRST, FIRST + H_FIRST), (D_LAST, LAST + H_LAST), (D_CITIES, CITIES + H_CITIES),
+                    (D_JOBS, JOBS + H_JOBS), (D_SHAPES, TRAIN_SHAPES + HELDOUT_SHAPES)):
+        assert not set(d) & set(used), set(d) & set(used)
+    rng = random.Random(2)
+    with open(out / "pairs.jsonl", "w") as f:
+        for _ in range(800):
+            p = person(rng, D_FIRST, D_LAST, D_CITIES, D_JOBS)
+            prompt, answer = example(rng, p, D_SHAPES + TRAIN_SHAPES)
+            f.write(json.dumps({"prompt": prompt, "chosen": answer, "rejected": wrong_record(rng, p)}) + "\n")
+    with open(out / "heldout_pairs.jsonl", "w") as f:
+        for row in heldout_rows:
+            f.write(json.dumps({"prompt": row["messages"][-1]["content"], "chosen": row["answer"],
+                                "rejected": wrong_record(rng, json.loads(row["answer"]))}) + "\n")
 
 
 if __name__ == "__main__":

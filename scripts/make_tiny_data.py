@@ -8,6 +8,10 @@ Held-out prompts are word triples that never occur in the training file, so a
 model that scores on them has learned to copy, not memorised answers. A random
 initialisation scores 0; the check stage scores exact matches.
 
+Preference pairs for the tiny DPO recipe (data/tiny/pairs.jsonl, TRL's prompt/chosen/rejected): the same
+prompts, the correct copy chosen and a copy with one word swapped for another of its class rejected; held-out
+pairs (data/tiny/heldout_pairs.jsonl) use the held-out triples.
+
 Run: python scripts/make_tiny_data.py   (output is committed; rerunning is deterministic)
 """
 
@@ -43,6 +47,21 @@ def main(out_dir: Path = Path(__file__).resolve().parents[1] / "data" / "tiny", 
         for t in heldout:
             conv = conversation(t, with_system=False)
             f.write(json.dumps({"messages": conv["messages"][:-1], "answer": "You said: " + " ".join(t)}) + "\n")
+
+    pairs(out_dir, train[:600], heldout[:40])
+
+
+def pairs(out_dir: Path, train, heldout) -> None:
+    rng = random.Random(1)
+    classes = (COLOURS, ANIMALS, THINGS)
+    for name, triples in (("pairs.jsonl", train), ("heldout_pairs.jsonl", heldout)):
+        with open(out_dir / name, "w") as f:
+            for t in triples:
+                k = rng.randrange(3)
+                wrong = list(t)
+                wrong[k] = rng.choice([w for w in classes[k] if w != t[k]])
+                f.write(json.dumps({"prompt": f"Repeat after me: {' '.join(t)}", "chosen": f"You said: {' '.join(t)}",
+                                    "rejected": f"You said: {' '.join(wrong)}"}) + "\n")
 
 
 if __name__ == "__main__":

@@ -132,6 +132,20 @@ def tiny_reference_10(tmp_path_factory):
     return out
 
 
+# tiny_dpo's runs in tests/test_preference.py: 6 steps, the first already moving the weights (no warmup), validation
+# on the held-out pairs at step 3 and at the end
+DPO_COMMON = ["train.max_steps=6", "train.warmup_ratio=0", "train.eval_steps=3", "train.logging_steps=1"]
+
+
+@pytest.fixture(scope="session")
+def tiny_dpo_reference(tmp_path_factory):
+    """tiny_dpo, DPO_COMMON uninterrupted on 2 ZeRO-3 CPU ranks: what a run on other world sizes must equal."""
+    out = tmp_path_factory.mktemp("dpo_reference")
+    _zt("data", "tiny_dpo", f"output_dir={out}")
+    _zt("finetune", "tiny_dpo", f"output_dir={out}", *DPO_COMMON)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_trained_40(tmp_path_factory):
     """tiny, 40 steps on 2 ZeRO-3 CPU ranks, validation only at the end: (run folder, log). Shared so that

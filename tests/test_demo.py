@@ -116,3 +116,34 @@ def test_make_demo_per_family(recipe, tmp_path):
     assert finish == "stop" and answer_text(family, content) == "You said: orange frog tea", content
     if family.thinking:  # served as trained: the empty thinking block first
         assert content.startswith("<think>"), content
+
+
+@pytest.mark.extended  # the SmolLM2 SFT + DPO chains (~40 min here); CI: tests/test_preference.py (below)
+def test_make_demo_smollm2_dpo(tmp_path):
+    """Preference tuning after SFT on the real model, as `make demo RECIPE=smollm2_dpo` runs it: the SFT run first
+    (here into tmp_path/sft; the recipe's own runs/smollm2/model is trained by the demo when missing), then DPO
+    through the whole chain. Held-out preference accuracy rises from the SFT model to the DPO model, the held-out task
+    does not fall, retention stays within one answer, nothing leaks, and the GGUF follows HF within 0.02. CI covers the
+    same code in pieces: pair data, the loss, ZeRO-3 at 1 and 2 processes, resume and the reference cache on tiny_dpo,
+    and eval.pairs on HF and GGUF (tests/test_preference.py)."""
+    from conftest import zt
+
+    sft = tmp_path / "sft"
+    for stage in ("data", "finetune"):
+        zt(stage, "smollm2", f"output_dir={sft}", timeout=3600)
+    recipe, out = "smollm2_dpo", tmp_path / "dpo"
+    proc = subprocess.run(["make", "-s", "demo", f"RECIPE={recipe}",
+                           f"ARGS=output_dir={out} model.name_or_path={sft / 'model'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for noise in NOISE:
+        assert noise not in proc.stdout + proc.stderr, noise
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    pref = summary["preference"]
+    assert pref["hf_accuracy"] >= pref["base_accuracy"] + 0.1, pref
+    assert abs(pref["gguf_accuracy"] - pref["hf_accuracy"]) <= 0.02 and pref["hf_reward_accuracy"] >= 0.8, pref
+    task, retention = summary["sets"]["task"], summary["sets"]["retention"]
+    assert task["hf"] >= task["base"] and abs(task["gguf"] - task["hf"]) <= 0.02, task
+    assert retention["hf"] >= retention["base"] - 0.025 - 1e-9, retention  # within one answer of 40
+    assert summary["leakage"]["retention"]["hf"] == 0 and summary["leakage"]["retention"]["gguf"] == 0
+    assert summary["passed"] is True

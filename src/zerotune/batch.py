@@ -2,7 +2,9 @@
 
 The recipe states the global batch in tokens, the micro-batch and seq_len; the
 launcher states the world size. Gradient accumulation is what makes them meet,
-and must divide exactly.
+and must divide exactly. A preference pair (preference.method: dpo) is one sample of
+two rows, chosen and rejected, each up to seq_len: it counts 2 x seq_len tokens
+(`rows`), the padded bound its micro-batch is planned at.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ class BatchPlan:
     micro_batch_size: int
     world_size: int
     grad_accum: int
+    rows: int = 1  # rows per sample: 2 for a preference pair (chosen + rejected); micro_batch_size counts samples
 
     @property
     def tokens_per_micro_step(self) -> int:
-        return self.seq_len * self.micro_batch_size * self.world_size
+        return self.seq_len * self.rows * self.micro_batch_size * self.world_size
 
     @property
     def sequences_per_step(self) -> int:
@@ -54,25 +57,37 @@ class BatchPlan:
                 "micro_batch_size": self.micro_batch_size, "grad_accum": self.grad_accum}
 
     def describe(self) -> str:
+        if self.rows == 2:
+            return (f"global batch {self.global_batch_tokens:,} tokens = 2 rows (chosen, rejected) x seq_len "
+                    f"{self.seq_len:,} x micro-batch {self.micro_batch_size} pairs x world {self.world_size} x "
+                    f"grad-accum {self.grad_accum} ({self.sequences_per_step:,} pairs per optimizer step)")
         return (f"global batch {self.global_batch_tokens:,} tokens = seq_len {self.seq_len:,} x micro-batch "
                 f"{self.micro_batch_size} x world {self.world_size} x grad-accum {self.grad_accum} "
                 f"({self.sequences_per_step:,} sequences per optimizer step)")
 
 
-def grad_accum(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int) -> int:
+def rows_per_sample(r) -> int:
+    """2 for a recipe that trains on preference pairs (config.Recipe.pairs), else 1."""
+    return 2 if r.pairs else 1
+
+
+def grad_accum(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int, rows: int = 1) -> int:
     """Micro-batches per optimizer step: the one formula. Where the batch does not divide exactly (derive refuses
     it; the planner still sizes it), the next whole number."""
-    return max(1, -(-global_batch_tokens // (seq_len * micro_batch_size * world_size)))
+    return max(1, -(-global_batch_tokens // (seq_len * rows * micro_batch_size * world_size)))
 
 
-def derive(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int) -> BatchPlan:
-    per = seq_len * micro_batch_size * world_size
+def derive(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int,
+           rows: int = 1) -> BatchPlan:
+    per = seq_len * rows * micro_batch_size * world_size
     if global_batch_tokens % per:
         lo = max(1, global_batch_tokens // per)
         hi = lo + 1
+        what = ("2 rows x seq_len x micro-batch (pairs) x world" if rows == 2 else "seq_len x micro-batch x world")
+        factors = " x ".join(str(x) for x in ((2,) if rows == 2 else ()) + (seq_len, micro_batch_size, world_size))
         raise BatchError(
-            f"train.global_batch_tokens={global_batch_tokens:,} is not a multiple of seq_len x micro-batch x world "
-            f"= {seq_len} x {micro_batch_size} x {world_size} = {per:,}. Nearest valid: {lo * per:,} "
+            f"train.global_batch_tokens={global_batch_tokens:,} is not a multiple of {what} "
+            f"= {factors} = {per:,}. Nearest valid: {lo * per:,} "
             f"(grad-accum {lo}) or {hi * per:,} (grad-accum {hi}).")
     return BatchPlan(global_batch_tokens, seq_len, micro_batch_size, world_size,
-                     grad_accum(global_batch_tokens, seq_len, micro_batch_size, world_size))
+                     grad_accum(global_batch_tokens, seq_len, micro_batch_size, world_size, rows), rows)

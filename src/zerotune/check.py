@@ -13,6 +13,8 @@
 2. Per-token agreement on held-out text from the prepared data: mean
    KL(HF || GGUF), top-1 agreement and perplexity ratio.
 3. T4 fit: weights + f16 KV cache at the recipe's context against what PyTorch reports usable (hardware.GPUS["t4"]).
+   With `eval.pairs` (preference tuning): held-out pairs' preference accuracy for base, HF and GGUF
+   (preference/scoring.py, eval's cache), gated like a set's score: the GGUF within the same margin of HF.
 4. Prompt and decode tokens/s of the GGUF on this machine.
 Writes check.json; exits 1 when a gate fails.
 """
@@ -31,6 +33,7 @@ from .config import Recipe
 from .errors import MissingInputError, UserError
 from .hardware import GPUS, kv_bytes_per_token, llama_cpp_fit
 from .layout import layout, write_resolved_recipe
+from .preference.scoring import describe as describe_pairs, score_pairs
 from .quant_types import quant_type
 
 # A GGUF argmax that HF rates within this many nats of its own top token counts as a near-tie agreement, and
@@ -151,7 +154,8 @@ def check(r: Recipe) -> int:
           "greedy answers from base, fine-tuned HF and GGUF", flush=True)
     scored = score_models(r, sets, rows_by_set)["sets"]
     # Whole documents of the eval split go through the GGUF: its context must hold the longest packed row.
-    llm = load_gguf(gguf, n_ctx=r.data.seq_len, n_gpu_layers=r.check.n_gpu_layers)
+    # ... and the speed probe its prompt and answer (speed(): 64 + 32 tokens; a short-row recipe has less)
+    llm = load_gguf(gguf, n_ctx=max(r.data.seq_len, 128), n_gpu_layers=r.check.n_gpu_layers)
     try:
         agreement = logit_agreement(llm, model_dir, heldout_documents(r, r.check.n_kl_texts))
         perf = speed(llm)
@@ -175,7 +179,14 @@ def check(r: Recipe) -> int:
         "examples": [{"prompt": row["messages"][-1]["content"], "answer": row["answer"], "base": b, "hf": h, "gguf": g}
                      for row, b, h, g in list(zip(rows, base_ans, hf_ans, gg_ans))[:5]],
     }
+    pairs = score_pairs(r)  # eval.pairs (preference tuning): eval's, from its cache
+    res["pairs"] = pairs
     failures = []
+    if pairs:  # the GGUF prefers what HF prefers, within the same margin as the sets' scores
+        margin = max(r.check.accuracy_margin, 1 / pairs["n"])
+        if pairs["gguf"]["accuracy"] < pairs["hf"]["accuracy"] - margin - 1e-9:
+            failures.append(f"pairs: GGUF preference accuracy {pairs['gguf']['accuracy']:.3f} trails HF "
+                            f"{pairs['hf']['accuracy']:.3f} by more than {margin:.3f}")
     for es in sets:
         s = res["sets"][es.name]
         margin = max(r.check.accuracy_margin, 1 / s["n"])
@@ -204,6 +215,11 @@ def check(r: Recipe) -> int:
             for name, s in res["sets"].items() if s["leakage"] is not None}
     if leak:  # only where measured: a recipe without a format task keeps its summary line as it was
         summary["leakage"] = leak
+    if pairs:  # preference tuning: held-out preference accuracy from the starting model to the tuned one
+        summary["preference"] = {"base_accuracy": pairs["base"]["accuracy"], "hf_accuracy": pairs["hf"]["accuracy"],
+                                 "gguf_accuracy": pairs["gguf"]["accuracy"],
+                                 "hf_reward_accuracy": pairs["hf"]["reward_accuracy"],
+                                 "hf_reward_margin": round(pairs["hf"]["reward_margin"], 4)}
     summary.update(mean_kl=agreement["mean_kl"], top1_agreement=agreement["top1_gated"],
                    top1_agreement_all_positions=agreement["top1_agreement"],
                    t4_fits=res["t4"]["fits"], passed=res["passed"])
@@ -217,6 +233,7 @@ def _print_table(res: dict) -> None:
     lines = [
         f"check: {res['gguf']} ({res['type']})",
         *(line for name, s in res["sets"].items() for line in _set_lines(name, s)),
+        *([describe_pairs(res["pairs"])] if res.get("pairs") else []),
         f"  GGUF stopped at its end-of-turn token on {res['gguf_stopped_at_end_of_turn']:.0%} of the first set; "
         f"answers identical to HF's on {res['hf_gguf_answer_agreement']:.0%}",
         f"  HF vs GGUF on {a['positions']} held-out positions: mean KL {kl} nats/token "

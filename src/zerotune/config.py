@@ -129,6 +129,21 @@ class PeftCfg:
     merge_atol: float = _f(1e-3, "Max |logit diff| allowed between the merged model and base + adapter when publishing (fp32 merge)")
 
 
+# DPO's loss variants: the formulas of liger-kernel's LigerFusedLinearDPOFunction.preference_loss_fn (preference/loss.py)
+# that need no per-row token counts ("ipo" does; Liger refuses it)
+PREFERENCE_LOSSES = ("sigmoid", "hinge", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "apo_zero",
+                     "apo_down", "discopop")
+
+
+@dataclass
+class PreferenceCfg:
+    method: Literal["none", "dpo"] = _f("none", "none = supervised fine-tuning on chat data; dpo = Direct Preference Optimization on chosen/rejected pairs (pair formats, docs/training.md#preference-tuning-dpo)")
+    beta: float = _f(0.1, "DPO's beta: how far the policy may move from the reference (the starting model); the reward of a completion is beta x (log pi - log pi_ref)")
+    loss: Literal[PREFERENCE_LOSSES] = _f("sigmoid", "DPO loss variant (liger-kernel's formulas): " + ", ".join(PREFERENCE_LOSSES) + "; sigmoid = the DPO paper's -log sigmoid(beta x margin)")
+    label_smoothing: float = _f(0.0, "loss robust: the assumed fraction of flipped preference labels, in [0, 0.5); exo_pair: its epsilon, > 0")
+    chunk_tokens: int = _f(1024, "Completion tokens whose vocabulary-wide logits are alive at once in the fused DPO loss (memory: chunk x vocab x ~12 B)")
+
+
 QuantName = Literal[tuple(QUANT_TYPES)]  # one list of types: the table in quant_types.py
 
 
@@ -172,6 +187,7 @@ class EvalCfg:
     batch_size: int = _f(8, "Prompts the HF models answer per generate() call in check, eval and data.replay (left-padded; the same greedy answers as one at a time)")
     lm_eval_tasks: list = _f([], "lm-evaluation-harness tasks run by `zerotune eval`; zerotune_heldout = the local task built from the first set")
     lm_eval_limit: Optional[int] = _f(None, "lm-eval: examples per task; null = all")
+    pairs: Optional[dict] = _f(None, "Held-out preference pairs scored by eval and check (a source: path, format, columns, roles): preference accuracy of the starting and the tuned model, the tuned model's reward accuracy and margin over the start; null = none")
 
 
 @dataclass
@@ -206,11 +222,17 @@ class Recipe:
     data: DataCfg = _f(None, "Data preparation")
     train: TrainCfg = _f(None, "Training")
     peft: PeftCfg = _f(None, "Parameter-efficient fine-tuning (LoRA / QLoRA); merged into runs/<name>/model after training")
+    preference: PreferenceCfg = _f(None, "Preference tuning (DPO) on chosen/rejected pairs instead of supervised fine-tuning")
     quantize: QuantizeCfg = _f(None, "GGUF export")
     check: CheckCfg = _f(None, "Inference check")
     eval: EvalCfg = _f(None, "Evaluation: held-out sets, in-training samples, lm-evaluation-harness")
     serve: ServeCfg = _f(None, "Server")
     plan: PlanCfg = _f(None, "Target cluster for planning")
+
+    @property
+    def pairs(self) -> bool:
+        """The recipe trains on chosen/rejected pairs (DPO): its data rows are pairs, its micro-batches two rows each."""
+        return self.preference.method != "none"
 
     @property
     def out(self) -> Path:
@@ -222,7 +244,8 @@ class Recipe:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
-_SECTION_CLASSES = {"model": ModelCfg, "data": DataCfg, "train": TrainCfg, "peft": PeftCfg, "quantize": QuantizeCfg,
+_SECTION_CLASSES = {"model": ModelCfg, "data": DataCfg, "train": TrainCfg, "peft": PeftCfg,
+                    "preference": PreferenceCfg, "quantize": QuantizeCfg,
                     "check": CheckCfg, "eval": EvalCfg, "serve": ServeCfg, "plan": PlanCfg}
 
 
@@ -390,6 +413,11 @@ def from_dict(raw: dict, where: str = "recipe") -> Recipe:
     recipe = Recipe(**kwargs)
     recipe.data.sources = [_build_source(s, f"{where}: data.sources[{i}]") for i, s in enumerate(recipe.data.sources)]
     recipe.eval.sets = [_build_eval_set(s, f"{where}: eval.sets[{i}]") for i, s in enumerate(recipe.eval.sets)]
+    if recipe.eval.pairs is not None:
+        recipe.eval.pairs = _build_source(recipe.eval.pairs, f"{where}: eval.pairs")
+        if not FORMATS[recipe.eval.pairs.format].pair:
+            raise RecipeError(f"{where}: eval.pairs.format: '{recipe.eval.pairs.format}' is not a pair format; use one "
+                              f"of {[f.name for f in FORMATS.values() if f.pair]}.")
     _validate(recipe, where)
     return recipe
 
@@ -444,9 +472,43 @@ def _validate(r: Recipe, where: str) -> None:
             raise RecipeError(f"{where}: peft.target_modules must be a non-empty list of module names.")
         if not all(isinstance(m, str) for m in r.peft.modules_to_save):
             raise RecipeError(f"{where}: peft.modules_to_save must be a list of module names.")
+    _validate_preference(r, where)
     if r.peft.method == "qlora" and r.train.deepspeed:
         raise RecipeError(f"{where}: peft.method=qlora trains a 4-bit bitsandbytes base, which DeepSpeed ZeRO cannot "
                           f"shard; set train.deepspeed: null (use peft.method=lora for ZeRO-3).")
+
+
+def _validate_preference(r: Recipe, where: str) -> None:
+    """Pair data and the DPO objective go together; the pairs are never packed."""
+    pair_fmts = [f.name for f in FORMATS.values() if f.pair]
+    kinds = {FORMATS[s.format].pair for s in r.data.sources}
+    if r.pairs:
+        p = r.preference
+        if kinds != {True}:
+            raise RecipeError(f"{where}: preference.method={p.method} trains on chosen/rejected pairs, but "
+                              f"data.sources has format(s) {sorted({s.format for s in r.data.sources}) or 'none'}: use a "
+                              f"pair format ({', '.join(pair_fmts)}) for every source (docs/data.md#preference-pairs).")
+        if r.data.packing:
+            raise RecipeError(f"{where}: preference.method={p.method}: pairs are not packed (a micro-batch holds each "
+                              f"pair's chosen and rejected rows, padded); set data.packing: false.")
+        if r.data.replay is not None:
+            raise RecipeError(f"{where}: data.replay mixes supervised conversations into training, and "
+                              f"preference.method={p.method} trains on pairs only; set data.replay: null.")
+        if r.peft.method != "none":
+            raise RecipeError(f"{where}: preference.method={p.method} with peft.method={r.peft.method} is not "
+                              f"supported yet (tested: full fine-tuning); set peft.method: none.")
+        if p.beta <= 0 or p.chunk_tokens < 1:
+            raise RecipeError(f"{where}: preference.beta must be positive and preference.chunk_tokens at least 1 "
+                              f"(got beta {p.beta}, chunk_tokens {p.chunk_tokens}).")
+        smoothing_ok = {"robust": 0 <= p.label_smoothing < 0.5, "exo_pair": 0 < p.label_smoothing < 1}
+        if not smoothing_ok.get(p.loss, p.label_smoothing == 0):
+            raise RecipeError(f"{where}: preference.label_smoothing={p.label_smoothing} with preference.loss={p.loss}: "
+                              f"robust takes [0, 0.5), exo_pair (0, 1) (e.g. 1e-3), the other losses none (0).")
+    elif True in kinds:
+        raise RecipeError(f"{where}: data.sources has pair format(s) "
+                          f"{sorted({s.format for s in r.data.sources if FORMATS[s.format].pair})}, which only "
+                          f"preference tuning reads: set preference.method: dpo, or use a chat format for supervised "
+                          f"fine-tuning.")
 
 
 def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe:
@@ -475,7 +537,7 @@ def explain() -> str:
             d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             lines.append(f"  {f.name}: {d!r:<12} # {f.metadata.get('help', '')}")
             sub = {("eval", "sets"): ("- ", EvalSetCfg), ("data", "replay"): ("", ReplayCfg),
-                   ("data", "sources"): ("- ", SourceCfg)}.get((section, f.name))
+                   ("data", "sources"): ("- ", SourceCfg), ("eval", "pairs"): ("", SourceCfg)}.get((section, f.name))
             if sub:  # typed items and sub-sections: show their fields too
                 for g in dataclasses.fields(sub[1]):
                     gd = g.default if g.default is not dataclasses.MISSING else g.default_factory()

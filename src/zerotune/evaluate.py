@@ -1,7 +1,8 @@
 """`zerotune eval RECIPE`: what did the fine-tune do? Every `eval.sets` set scored for the base model, the
 fine-tuned HF model (runs/<r>/model) and its GGUF, side by side, with the same chat template and greedy
 decoding (answering.py, through which `zerotune check` answers too: check and eval share cached answers), then
-lm-evaluation-harness tasks when `eval.lm_eval_tasks` names any.
+lm-evaluation-harness tasks when `eval.lm_eval_tasks` names any, and held-out preference pairs when `eval.pairs`
+names them (preference accuracy of each model, the tuned model's reward accuracy and margin: preference/scoring.py).
 
 Writes runs/<r>/eval/eval.json and eval.png (grouped bars) and prints one table, with each model's leakage per
 set (answers in the task's output format, answering.py). A missing model or GGUF is a user error that says which
@@ -19,6 +20,7 @@ from .answering import eval_sets, leakage_by_model, load_rows, score_models, set
 from .config import EvalSetCfg, Recipe
 from .errors import UserError
 from .layout import layout
+from .preference.scoring import describe as describe_pairs, score_pairs
 
 
 def evaluate(r: Recipe) -> int:
@@ -31,6 +33,7 @@ def evaluate(r: Recipe) -> int:
     t0 = time.time()
     scored = score_models(r, sets, rows_by_set)
     lm = run_lm_eval(r, sets[0], rows_by_set[sets[0].name]) if r.eval.lm_eval_tasks else None
+    pairs = score_pairs(r)  # eval.pairs: preference accuracy before and after, reward accuracy (preference/scoring.py)
     failures = []
     table = []
     for es in sets:
@@ -49,6 +52,7 @@ def evaluate(r: Recipe) -> int:
                            **{m: scored["sets"][es.name][m]["answers"][i] for m in ("base", "hf", "gguf")}}
                           for i, row in enumerate(rows_by_set[es.name][:5])] for es in sets}
     result = {"stage": "eval", "recipe": r.name, "models": scored["models"], "table": table, "lm_eval": lm,
+              "pairs": pairs,
               "failures": failures, "elapsed_s": round(time.time() - t0, 1), "examples": examples,
               "per_row": {es.name: {m: scored["sets"][es.name][m]["per_row"] for m in ("base", "hf", "gguf")}
                           for es in sets}}
@@ -56,6 +60,8 @@ def evaluate(r: Recipe) -> int:
     mf.write(paths.eval_json, result)
     plot(table, paths.eval_png, r.name)
     print(format_table(table, lm))
+    if pairs:
+        print(describe_pairs(pairs))
     print(f"eval: wrote {paths.eval_json} and {paths.eval_png} in {result['elapsed_s']:.0f}s")
     for f in failures:
         print(f"eval: FAIL {f}")

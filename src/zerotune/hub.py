@@ -136,6 +136,13 @@ def _fix(r: Recipe) -> str:
 def _check_folder(r: Recipe, key: str, name: str, model: bool, tokenizer: bool) -> None:
     folder = resolve_path(name)
     if not folder.is_dir():
+        from .layout import producing_recipe
+
+        made_by = producing_recipe(folder)
+        if made_by:  # another recipe's published model (DPO after SFT): train that one first
+            raise WeightsError(f"{key}: folder {folder} not found: it is recipe {made_by}'s published model. Run "
+                               f"`make data finetune RECIPE={made_by}` first (`make demo RECIPE={r.name}` does), or "
+                               f"point {key} at another model folder.")
         hint = " `make setup` builds it." if folder.is_relative_to(REPO_ROOT / "assets") else ""
         raise WeightsError(f"{key}: folder {folder} not found.{hint} Point {key} at a folder with the model's "
                            f"files, or at a hub id (then `make fetch RECIPE={r.name}` downloads it).")

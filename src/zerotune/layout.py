@@ -9,6 +9,8 @@
                                       handoff between its processes: recipe.resolved.yaml (written by the
                                       launcher, read by every rank and finalize), run.json, stopped.json, error*.json;
                                       between sbatch attempts: stopped_before_training.json
+      reference/     finetune (DPO)   logps.pt + manifest.json: the starting model's log-probs of every pair, computed
+                                      once before the first step, keyed by data, weights and numerics
       checkpoints/   finetune         checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json; universal/: its
                                       conversion for another world size, universal.py)
       model.tmp/     finetune         the consolidated save, verified before it becomes model/
@@ -78,6 +80,10 @@ class RunLayout:
     @property
     def train(self) -> Path:
         return self.out / "train"
+
+    @property
+    def reference(self) -> Path:  # DPO: the reference log-probs (preference/reference.py), read by every resume
+        return self.out / "reference"
 
     @property
     def checkpoints(self) -> Path:
@@ -188,6 +194,27 @@ def layout(r: Recipe) -> RunLayout:
     else:
         base = r.out / "base"
     return RunLayout(out=r.out, base=base, gguf=r.out / "gguf" / f"{r.name}-{r.quantize.type.lower()}.gguf")
+
+
+def producing_recipe(folder: Path) -> str | None:
+    """The shipped recipe whose default run folder publishes `folder` as its model (runs/<name>/model): a recipe that
+    starts from another run's model (smollm2_dpo from smollm2's) names the run to make first."""
+    from .config import RECIPES_DIR, REPO_ROOT
+
+    folder = Path(folder).resolve()
+    if folder.name != "model" or folder.parent.parent != (REPO_ROOT / "runs").resolve():
+        return None
+    name = folder.parent.name
+    return name if (RECIPES_DIR / f"{name}.yaml").exists() else None
+
+
+def upstream_to_train(r: Recipe) -> str | None:
+    """`make demo`: the recipe to train first, when this one starts from its run's model and that is not published
+    yet; None otherwise."""
+    p = resolve_path(r.model.name_or_path) if r.model.name_or_path else None
+    if p is None or (p / "config.json").exists():
+        return None
+    return producing_recipe(p)
 
 
 def write_resolved_recipe(folder: Path, r: Recipe) -> None:

@@ -258,11 +258,15 @@ class StepMetrics(TrainerCallback):
             return
         row = self.rows[-1] if self.rows and self.rows[-1]["step"] == state.global_step else {"step": state.global_step}
         row.update({k: logs[k] for k in ("loss", "grad_norm", "learning_rate", "epoch") if k in logs})
+        # an objective's own statistics (DPO: rewards/accuracy, rewards/margin, logps/...; preference/objective.py)
+        row.update({k: v for k, v in logs.items() if k.startswith(("rewards/", "logps/"))})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         mf.append_jsonl(self.path, row)
         parts = [f"step {row['step']}", f"loss {row.get('loss', float('nan')):.4f}"]
         if "grad_norm" in row:
             parts.append(f"grad_norm {row['grad_norm']:.3f}")
+        if "rewards/accuracy" in row:
+            parts.append(f"reward acc {row['rewards/accuracy']:.3f} margin {row['rewards/margin']:.4f}")
         if "learning_rate" in row:
             parts.append(f"lr {row['learning_rate']:.2e}")
         if row.get("tokens_per_s"):

@@ -113,10 +113,11 @@ def check_batch(r, ckpt: Path) -> None:
 
 def check(r, ckpt: Path, saved: int, world: int) -> None:
     """Refuse, in one message, a world-size change that cannot keep the global batch or the data order."""
-    from .batch import BatchError, derive
+    from .batch import BatchError, derive, rows_per_sample
+    from .train.args import length_grouped
 
     check_batch(r, ckpt)
-    if not r.data.packing:
+    if length_grouped(r):
         raise UserError(
             f"{ckpt} was written by {procs(saved)} and this run has {world}: with data.packing=false the Trainer "
             "orders each epoch by length in groups of micro-batch x grad-accum sequences (transformers 5.23 "
@@ -124,9 +125,9 @@ def check(r, ckpt: Path, saved: int, world: int) -> None:
             f"resumed run would repeat some sequences and skip others. Resume with {procs(saved)} "
             f"(train.cpu_procs={saved} on CPU).")
     try:
-        derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
+        derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world, rows_per_sample(r))
     except BatchError:
-        per_step = r.train.global_batch_tokens // (r.data.seq_len * r.train.micro_batch_size)
+        per_step = r.train.global_batch_tokens // (r.data.seq_len * r.train.micro_batch_size * rows_per_sample(r))
         ok = [w for w in range(1, per_step + 1) if per_step % w == 0]
         near = sorted(ok, key=lambda w: (abs(w - world), w))[:2]
         raise UserError(

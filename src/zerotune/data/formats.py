@@ -24,12 +24,20 @@ or reported back as ignored in `Doc.notes`, which prepare counts per source in t
 value counts as absent (exports carry `"name": null` and friends). Keys that change what is trained (`weight`,
 `tool_calls`, `truncated`, `loss`, `train`) are never ignored: honoured where zerotune can do what they ask,
 refused where it cannot.
+
+Preference pairs (formats with `pair=True`, read into a `Pair`: one prompt, a chosen and a rejected completion, labels
+on the completions only): TRL's prompt/chosen/rejected, standard (strings) and conversational (message lists);
+the same rows without a prompt or repeating it in chosen and rejected (UltraFeedback, HH-RLHF: full conversations
+sharing a prompt prefix, found and counted so prepare says so; HH-RLHF's "\n\nHuman: ... \n\nAssistant: ..." text is
+split into turns); OpenAI's preference fine-tuning rows (input.messages, preferred_output, non_preferred_output).
+A pair whose completions are identical, empty, or share no prompt is refused like any bad row.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,6 +72,7 @@ class Format:
     read: Callable                    # (row, format, columns, where, roles, notes) -> (conversation | text, keys read)
     message_keys: dict | None = None  # a row holding a message list: its field and message keys, as the data names them
     roles: dict | None = None         # and its role names -> ours
+    pair: bool = False                # a preference pair (read into a Pair): trained by preference.method, not SFT
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -72,10 +81,20 @@ class Format:
 
 
 @dataclass
+class Pair:
+    """A preference pair: the prompt both completions follow (its assistant turns carry weight 0: no labels) and the
+    chosen and rejected completions, each starting with an assistant turn; tools: the row's own, if any."""
+    prompt: list
+    chosen: list
+    rejected: list
+    tools: list | None = None
+
+
+@dataclass
 class Doc:
-    """One row, read: chat messages (or the text, for format text), the tools its template renders, and what
+    """One row, read: chat messages (a Pair for pair formats; the text for format text), the tools its template renders, and what
     prepare counts for its source (ignored keys, a detected format, tool rows, weight-0 turns); None if nothing."""
-    conv: list | str
+    conv: list | str | Pair
     tools: list | None = None
     notes: dict | None = None
 
@@ -352,6 +371,121 @@ def _read_text(row: dict, fmt: Format, columns: dict, where: str, roles: dict, n
     return _text(_get(row, "text", columns, where, fmt), where, "text"), _named(fmt, columns)
 
 
+# ---- preference pairs ---------------------------------------------------------------------------------
+
+_HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):[ ]?")
+
+
+def _hh_text(text: str, where: str, what: str) -> list[dict]:
+    """HH-RLHF's conversation text ("\n\nHuman: ...\n\nAssistant: ...") as user/assistant turns."""
+    parts = _HH_TURN.split(text)
+    if parts[0].strip():
+        raise BadSample(where, f"'{what}' has text before its first 'Human:' or 'Assistant:' turn.",
+                        "HH-RLHF text starts with \"\\n\\nHuman: \"; or give the pair a 'prompt' field.")
+    return [{"role": "user" if who == "Human" else "assistant", "content": body.strip()}
+            for who, body in zip(parts[1::2], parts[2::2])]
+
+
+def _turns(value, where: str, what: str, cols: dict, role_map: dict, notes: dict, reply: bool) -> list[dict]:
+    """A pair field as messages: a string is one user turn (the prompt) or one assistant turn (a completion)."""
+    if isinstance(value, str) and value.lstrip().startswith("["):  # a message list stored as JSON text (CSV,
+        try:                                                         # parquet); a reply that is JSON stays text
+            parsed = json.loads(value)
+            value = parsed if isinstance(parsed, list) and all(isinstance(m, dict) and cols["role"] in m
+                                                               for m in parsed) else value
+        except json.JSONDecodeError:
+            pass
+    if isinstance(value, str):
+        return [{"role": "assistant" if reply else "user", "content": _text(value, where, what)}]
+    if not isinstance(value, list) or not value:
+        raise BadSample(where, f"'{what}' must be a string or a non-empty list of messages.",
+                        "use TRL's shapes: strings, or lists of {role, content} messages.")
+    return [_message(m, i, cols["role"], cols["content"], role_map, f"{where} ({what})", notes)
+            for i, m in enumerate(value)]
+
+
+def _split_pair(prompt: list | None, chosen: list, rejected: list, where: str, notes: dict) -> Pair:
+    """prompt (None: implicit) + completions -> a checked Pair. Completions that repeat the prompt, or rows without
+    one, are full conversations: the prompt is their longest shared prefix of whole messages (counted in notes)."""
+    if prompt is not None and chosen[:len(prompt)] == prompt and rejected[:len(prompt)] == prompt:
+        _count(notes, "prompt_repeated")  # UltraFeedback: the prompt field and the conversations' first turn
+        prompt = None
+    if prompt is None:
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        _count(notes, "implicit_prompt")
+    if not prompt:
+        raise BadSample(where, "chosen and rejected share no prompt (they differ from their first message).",
+                        "give the pair a prompt (a 'prompt' field, or the same first turns in both conversations).")
+    if chosen == rejected:
+        raise BadSample(where, "chosen and rejected are identical, so the pair prefers nothing.",
+                        "remove the row, or fix the rejected completion.")
+    for name, comp in (("chosen", chosen), ("rejected", rejected)):
+        if not comp:
+            raise BadSample(where, f"the {name} completion is empty (the conversation ends with the prompt).",
+                            f"add the {name} reply, or remove the row.")
+        if comp[0]["role"] != "assistant":
+            raise BadSample(where, f"the {name} completion starts with a {comp[0]['role']} turn: chosen and "
+                                   "rejected must differ from an assistant reply on, after one shared prompt.",
+                            "put the shared turns in the prompt and each reply in its completion.")
+        if all(m.get("weight") == 0 for m in comp if m["role"] == "assistant"):
+            raise BadSample(where, f"the {name} completion has no assistant turn with labels (weight 0), so "
+                                   "its log-probability is empty.", "remove the weight 0, or the row.")
+    if prompt[-1]["role"] == "assistant":
+        raise BadSample(where, "the prompt ends with an assistant turn, so both completions would continue it.",
+                        "end the prompt with a user (or tool) turn.")
+    return Pair([{**m, "weight": 0} if m["role"] == "assistant" else m for m in prompt], chosen, rejected)
+
+
+def _read_preference(row: dict, fmt: Format, columns: dict, where: str, roles: dict, notes: dict):
+    cols = {**fmt.message_keys, **columns}
+    role_map = {**fmt.roles, **roles}
+    raw = {k: _get(row, k, columns, where, fmt) for k in ("prompt", "chosen", "rejected")}
+    if raw["prompt"] is None and all(isinstance(raw[k], str) for k in ("chosen", "rejected")):
+        if not all(_HH_TURN.match(raw[k] or "") for k in ("chosen", "rejected")):
+            raise BadSample(where, "chosen and rejected are strings but the row has no prompt field.",
+                            "add the prompt (data.sources[i].columns: {prompt: <your column>}), or give full "
+                            "conversations (lists of messages, or HH-RLHF's '\\n\\nHuman: ...' text).")
+        _count(notes, "hh_text")
+        comp = {k: _hh_text(raw[k], where, columns.get(k, k)) for k in ("chosen", "rejected")}
+        for k in comp:
+            comp[k] = [_message(m, i, "role", "content", _OUR_ROLES, f"{where} ({k})", notes)
+                       for i, m in enumerate(comp[k])]
+    else:
+        comp = {k: _turns(raw[k], where, columns.get(k, k), cols, role_map, notes, reply=True)
+                for k in ("chosen", "rejected")}
+    prompt = None if raw["prompt"] is None else _turns(raw["prompt"], where, columns.get("prompt", "prompt"), cols,
+                                                       role_map, notes, reply=False)
+    system = _system(row, columns, where, fmt)
+    pair = _split_pair(prompt, comp["chosen"], comp["rejected"], where, notes)
+    if system:
+        if pair.prompt[0]["role"] == "system":
+            raise BadSample(where, "the row has both a 'system' field and a system message.", "keep one of them.")
+        pair.prompt = system + pair.prompt
+    return pair, _named(fmt, columns)
+
+
+def _read_openai_preference(row: dict, fmt: Format, columns: dict, where: str, roles: dict, notes: dict):
+    cols = {**fmt.message_keys, **columns}
+    role_map = {**fmt.roles, **roles}
+    inp = _json_cell(_get(row, "input", columns, where, fmt), where, "input")
+    if not isinstance(inp, dict) or not isinstance(inp.get("messages"), list) or not inp["messages"]:
+        raise BadSample(where, "'input' must be an object with a non-empty 'messages' list.",
+                        "use OpenAI's preference format: {\"input\": {\"messages\": [...]}, \"preferred_output\": "
+                        "[...], \"non_preferred_output\": [...]}.")
+    prompt = _turns(inp["messages"], where, "input.messages", cols, role_map, notes, reply=False)
+    comp = {k: _turns(_get(row, k, columns, where, fmt), where, columns.get(k, k), cols, role_map, notes, reply=True)
+            for k in ("preferred_output", "non_preferred_output")}
+    pair = _split_pair(prompt, comp["preferred_output"], comp["non_preferred_output"], where, notes)
+    pair.tools = normalize_tools(inp.get("tools"), where, "input.tools")
+    for key, v in inp.items():
+        if key not in ("messages", "tools") and v is not None:
+            _count(notes, f"row:input.{key}")
+    return pair, _named(fmt, columns)
+
+
 _MESSAGES_ALIASES = {"messages": ("conversations", "conversation", "messages", "dialog", "chat", "turns")}
 # name -> Format; the recipe's schema, prepare and the docs test read it (see the module docstring)
 FORMATS: dict[str, Format] = {f.name: f for f in (
@@ -376,18 +510,33 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("text", "{text} rows, every token trained, no chat template (continued pretraining)",
            fields=("text",), optional=(), aliases={"text": ("text", "content", "document", "body")},
            chat=False, read=_read_text),
+    Format("preference", "TRL preference pairs {prompt, chosen, rejected} (strings or message lists); without prompt, or "
+           "repeating it: full conversations sharing a prompt prefix (UltraFeedback, HH-RLHF)",
+           fields=("prompt", "chosen", "rejected", "system"), optional=("prompt", "system"),
+           aliases={"prompt": ("prompt", "question", "instruction", "input", "query"),
+                    "chosen": ("chosen", "preferred", "chosen_response", "response_chosen", "accepted"),
+                    "rejected": ("rejected", "non_preferred", "rejected_response", "response_rejected")},
+           chat=True, read=_read_preference, message_keys={"role": "role", "content": "content"}, roles=_OUR_ROLES,
+           pair=True),
+    Format("openai_preference", "OpenAI preference fine-tuning rows {input: {messages, tools}, preferred_output, "
+           "non_preferred_output}", fields=("input", "preferred_output", "non_preferred_output"), optional=(),
+           aliases={"preferred_output": ("preferred_output", "chosen"),
+                    "non_preferred_output": ("non_preferred_output", "rejected")},
+           chat=True, read=_read_openai_preference, message_keys={"role": "role", "content": "content"},
+           roles=_OUR_ROLES, pair=True),
 )}
 
 
 def read_row(row: dict, fmt: str, columns: dict, where: str, roles: dict | None = None,
              tools: list | None = None) -> Doc:
-    """A row of format `fmt` (a FORMATS name) -> Doc. `tools`: the source's tool definitions, for rows without
-    their own."""
+    """A row of format `fmt` (a FORMATS name) -> Doc (its conv a Pair for pair formats). `tools`: the source's tool
+    definitions, for rows without their own."""
     form = FORMATS[fmt]
     notes: dict = {}
     conv, used = form.read(row, form, columns, where, roles or {}, notes)
-    if form.chat:
-        own = normalize_tools(_get(row, "tools", columns, where, form), where, columns.get("tools", "tools"))
+    if form.chat:  # a pair's own tools were read by its format (OpenAI's input.tools)
+        own = conv.tools if form.pair else normalize_tools(_get(row, "tools", columns, where, form), where,
+                                                           columns.get("tools", "tools"))
         tools = own if own is not None else tools  # a row's own tools replace the source's
         if tools:
             _count(notes, "rows_with_tools")

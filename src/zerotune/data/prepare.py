@@ -41,6 +41,10 @@ from .sources import SKIP_HINT, mixture, mixture_plan
 from .tokenize import IGNORE, ChatRenderer, encode_batch, require_chat_template
 
 CHUNK_ROWS = 256  # rows per tokenization task
+# A preference pair's prepared row (preference.method): the chosen conversation in the SFT columns (input_ids, labels,
+# position_ids: what check, inspect and the save's probe read as one document), the rejected one in these, and `pair`,
+# its index in the split (where the reference log-probs of preference/reference.py are looked up)
+PAIR_COLUMNS = ("rejected_input_ids", "rejected_labels")
 WRITE_TOKENS = 1 << 22  # tokens buffered before an Arrow record batch is written
 
 
@@ -202,28 +206,36 @@ def tokenize_to_disk(r: Recipe, tok, path: Path, sources: list | None = None) ->
                         continue
                     if notes:
                         mine["notes"].update(notes)
-                    ids, labels = res
-                    if len(ids) > seq_len:
-                        if r.data.overlong == "drop":
-                            counts["dropped_overlong"] += 1
-                            continue
-                        counts["truncated"] += 1
-                        ids, labels = ids[:seq_len], labels[:seq_len]
-                    n_lab = int(np.count_nonzero(labels != IGNORE))
-                    if n_lab == 0:
-                        # Truncation removed every label token: a 0/0 loss. Counted, never kept.
-                        counts["dropped_no_labels"] += 1
+                    docs = _fit(res if r.pairs else (res,), seq_len, r.data.overlong, counts)
+                    if docs is None:
                         continue
-                    writer.add(ids, labels)
-                    lengths.append(len(ids))
-                    n_labels.append(n_lab)
+                    for ids, labels, n_lab in docs:  # a pair: chosen, then rejected, side by side in the file
+                        writer.add(ids, labels)
+                        lengths.append(len(ids))
+                        n_labels.append(n_lab)
                     mine["docs"] += 1
     finally:
         writer.close()
-    counts["docs_out"] = len(lengths)
+    counts["docs_out"] = len(lengths) // (2 if r.pairs else 1)  # a pair's two conversations are one row
     return {"counts": counts, "bad_examples": bad_examples,
             "sources": [_source_entry(s, p, mine) for s, p, mine in zip(sources, plan, per_source)],
             "lengths": np.asarray(lengths, dtype=np.int64), "n_labels": np.asarray(n_labels, dtype=np.int64)}
+
+
+def _fit(docs: tuple, seq_len: int, overlong: str, counts: dict) -> list | None:
+    """A row's documents (one, or a pair's two) cut to seq_len as data.overlong says, with their label counts; None
+    when the row is dropped (over-long under `drop`, or truncation removed every label of one of them: a 0/0 loss).
+    Counted per row, never kept silently."""
+    if any(len(ids) > seq_len for ids, _ in docs):
+        if overlong == "drop":
+            counts["dropped_overlong"] += 1
+            return None
+        counts["truncated"] += 1
+    out = [(ids[:seq_len], labels[:seq_len], int(np.count_nonzero(labels[:seq_len] != IGNORE))) for ids, labels in docs]
+    if any(n == 0 for _, _, n in out):
+        counts["dropped_no_labels"] += 1
+        return None
+    return out
 
 
 def _source_entry(src, plan: dict, mine: dict) -> dict:
@@ -236,7 +248,17 @@ def _source_entry(src, plan: dict, mine: dict) -> dict:
             "taken": plan["taken"], "bad_skipped": mine["bad_skipped"], "docs": mine["docs"],
             "detected_sharegpt": notes["detected_sharegpt"], "rows_with_tools": notes["rows_with_tools"],
             "tool_call_turns": notes["tool_call_turns"],
-            "assistant_turns_weight_0": notes["assistant_turns_weight_0"], "ignored_keys": keys}
+            "assistant_turns_weight_0": notes["assistant_turns_weight_0"],
+            **({k: notes[k] for k in PAIR_NOTES} if FORMATS[src.format].pair else {}), "ignored_keys": keys}
+
+
+# What the pair formats detect (formats.py _read_preference), as prepare says it per source
+PAIR_NOTES = {"implicit_prompt": "rows have no separate prompt: the prompt is the chosen and rejected conversations' "
+                                 "shared prefix (full conversations, as UltraFeedback and HH-RLHF ship them)",
+              "prompt_repeated": "rows repeat their prompt at the start of chosen and rejected (UltraFeedback's shape): "
+                                 "read once, as the prompt",
+              "hh_text": "rows are HH-RLHF text ('\\n\\nHuman: ... \\n\\nAssistant: ...'): split into user and "
+                         "assistant turns"}
 
 
 def source_lines(sources: list[dict]) -> list[str]:
@@ -244,6 +266,7 @@ def source_lines(sources: list[dict]) -> list[str]:
     lines = []
     for s in sources:
         said = []
+        said += [f"{s[k]:,} {what}" for k, what in PAIR_NOTES.items() if s.get(k)]
         if s.get("detected_sharegpt"):
             said.append(f"{s['detected_sharegpt']:,} rows are ShareGPT ({{from, value}} messages) under format "
                         f"{s['format']}: read as format sharegpt (set it in the recipe to say so)")
@@ -277,10 +300,18 @@ def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Re
     import pyarrow as pa
     from datasets import Dataset
 
-    schema = pa.schema([(k, pa.list_(pa.int32())) for k in ("input_ids", "labels", "position_ids")])
+    schema = pa.schema([(k, pa.list_(pa.int32())) for k in ("input_ids", "labels", "position_ids")
+                        + (PAIR_COLUMNS if r.pairs else ())] + ([("pair", pa.int32())] if r.pairs else []))
     arrow = work / f"{desc}.arrow"
     n_rows, padding, total, pairs = 0, 0, 0, 0
-    if r.data.packing:
+    if r.pairs:  # one row per pair: the chosen conversation in the SFT columns, the rejected one beside it
+        def rows_of_pairs():
+            for k, i in enumerate(doc_idx.tolist()):
+                (ids, labels), (rej, rej_labels) = store[2 * i], store[2 * i + 1]
+                yield {"input_ids": ids, "labels": labels, "position_ids": np.arange(len(ids), dtype=np.int32),
+                       "rejected_input_ids": rej, "rejected_labels": rej_labels, "pair": k}, 0
+        rows, n_total = rows_of_pairs(), len(doc_idx)
+    elif r.data.packing:
         bins = best_fit_decreasing(lengths[doc_idx], r.data.seq_len)
         rows = iter_packed(bins, lambda k: store[int(doc_idx[k])], r.data.seq_len, pad_id)
         n_total = len(bins)
@@ -299,6 +330,9 @@ def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Re
         if buf["input_ids"]:
             cols = []
             for k in schema.names:
+                if k == "pair":  # the pair's index in its split: the key of its reference log-probs (preference/)
+                    cols.append(pa.array(buf[k], type=pa.int32()))
+                    continue
                 offsets = np.concatenate([[0], np.cumsum([len(x) for x in buf[k]])]).astype(np.int32)
                 cols.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(buf[k]).astype(np.int32))))
             w.write_batch(pa.record_batch(cols, schema=schema))
@@ -312,9 +346,10 @@ def _write_rows(store: DocStore, doc_idx: np.ndarray, lengths: np.ndarray, r: Re
                 buf[k].append(row[k])
             n_rows += 1
             padding += pad
-            total += len(row["input_ids"])
-            pairs += attention_pairs(row["position_ids"])
-            buf_tokens += len(row["input_ids"])
+            n = len(row["input_ids"]) + len(row.get("rejected_input_ids", ()))
+            total += n
+            pairs += attention_pairs(row["position_ids"]) + len(row.get("rejected_input_ids", ())) ** 2
+            buf_tokens += n
             bar.update(1)
             if buf_tokens >= WRITE_TOKENS:
                 flush(w)
@@ -391,15 +426,17 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
         if len(lengths) == 0:
             raise UserError(_nothing_usable(r, info))
         store = DocStore(work / "docs.arrow")
-        train_idx, eval_idx = _split_eval(len(lengths), r.data.eval_fraction, r.data.seed)
+        per = 2 if r.pairs else 1  # documents per row: a pair's chosen and rejected lie side by side
+        train_idx, eval_idx = _split_eval(len(lengths) // per, r.data.eval_fraction, r.data.seed)
         tr = _write_rows(store, train_idx, lengths, r, tok.pad_token_id, work, tmp / paths.data_train.name, "train")
         ev = (_write_rows(store, eval_idx, lengths, r, tok.pad_token_id, work, tmp / paths.data_eval.name, "eval")
               if len(eval_idx) else {"rows": 0})
         del store
         shutil.rmtree(work)
         t2 = time.perf_counter()
-        real = int(lengths[train_idx].sum())
-        label_tokens = int(n_labels[train_idx].sum())
+        docs_of = (lambda idx: np.concatenate([2 * idx, 2 * idx + 1])) if r.pairs else (lambda idx: idx)
+        real = int(lengths[docs_of(train_idx)].sum())
+        label_tokens = int(n_labels[docs_of(train_idx)].sum())
         manifest = {
             "stage": "data",
             "recipe": r.name,
@@ -416,6 +453,7 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
             "attention_span": round(tr["attention_pairs"] / max(1, tr["total_tokens"]), 1),
             "pad_token_id": tok.pad_token_id,
             "replay": replay,
+            "pairs": _pair_counts(lengths, n_labels, train_idx, eval_idx) if r.pairs else None,
             "timing_s": {"tokenize": round(t1 - t0, 2), "pack_and_write": round(t2 - t1, 2)},
         }
         if histogram:
@@ -429,11 +467,20 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
     for line in source_lines(info["sources"]):
         print(line)
     c = info["counts"]
-    print(f"data: {c['rows_in']} rows -> {c['docs_out']} documents ({c['bad_skipped']} bad skipped, "
+    docs, rows = ("pairs", "pairs (chosen + rejected rows)") if r.pairs else ("documents", "sequences")
+    print(f"data: {c['rows_in']} rows -> {c['docs_out']} {docs} ({c['bad_skipped']} bad skipped, "
           f"{c['truncated']} truncated, {c['dropped_overlong']} dropped as over-long, {c['dropped_no_labels']} dropped "
-          f"with no label tokens left) -> {tr['rows']} train / {ev['rows']} eval sequences of <= {r.data.seq_len} "
+          f"with no label tokens left) -> {tr['rows']} train / {ev['rows']} eval {rows} of <= {r.data.seq_len} "
           f"tokens; {label_tokens:,} label tokens; packing efficiency {manifest['packing']['efficiency']}; wrote {out}")
     return manifest
+
+
+def _pair_counts(lengths, n_labels, train_idx, eval_idx) -> dict:
+    """Preference pairs in the manifest: how many per split, and the completions' label tokens (chosen, rejected)."""
+    return {"train": len(train_idx), "eval": len(eval_idx),
+            "chosen_label_tokens": int(n_labels[2 * train_idx].sum()),
+            "rejected_label_tokens": int(n_labels[2 * train_idx + 1].sum()),
+            "longest_row": int(lengths.max()) if len(lengths) else 0}
 
 
 def _nothing_usable(r: Recipe, info: dict) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..chat_template import CALL_FORMS, in_form, tool_support
 from ..errors import BadSample, UserError
-from .formats import FORMATS
+from .formats import FORMATS, Pair
 
 IGNORE = -100
 
@@ -236,7 +236,9 @@ def encode_text(tok, text: str) -> tuple[list[int], list[int]]:
 
 
 def encode_batch(tok, render, items: list[tuple[str, object, str, list | None]]) -> list:
-    """items: (where, messages-or-text, loss_on, tools) -> per item (ids int32, labels int32) or a BadSample."""
+    """items: (where, messages-or-text-or-Pair, loss_on, tools) -> per item (ids int32, labels int32), for a Pair
+    ((chosen ids, labels), (rejected ids, labels)), or a BadSample. A pair's two conversations are its prompt followed
+    by each completion; the prompt's assistant turns carry weight 0 (formats.Pair), so only completions are labels."""
     out: list = [None] * len(items)
     texts, meta = [], []
     for k, (where, conv, loss_on, tools) in enumerate(items):
@@ -244,18 +246,24 @@ def encode_batch(tok, render, items: list[tuple[str, object, str, list | None]])
             texts.append(conv)
             meta.append((k, None))
             continue
+        convs = [conv.prompt + conv.chosen, conv.prompt + conv.rejected] if isinstance(conv, Pair) else [conv]
         try:
-            text, spans = assistant_spans(render, conv, loss_on, where, tools)
+            rendered = [assistant_spans(render, c, loss_on, where, tools) for c in convs]
         except BadSample as e:
             out[k] = e
             continue
-        texts.append(text)
-        meta.append((k, spans))
+        for text, spans in rendered:
+            texts.append(text)
+            meta.append((k, spans))
     encs = tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
     for (k, spans), enc in zip(meta, encs):
         if spans is None:
             ids = _text_ids(tok, enc.ids)
-            out[k] = (ids, _text_labels(ids))
+            doc = (ids, _text_labels(ids))
         else:
-            out[k] = (np.asarray(enc.ids, dtype=np.int32), labels_from_offsets(enc.ids, enc.offsets, spans))
+            doc = (np.asarray(enc.ids, dtype=np.int32), labels_from_offsets(enc.ids, enc.offsets, spans))
+        if isinstance(items[k][1], Pair):  # chosen first, then rejected
+            out[k] = (doc,) if out[k] is None else (out[k][0], doc)
+        else:
+            out[k] = doc
     return out

@@ -3,7 +3,8 @@
 It reads the packed Arrow rows training reads (layout.data_train) and the data manifest, not the sources, so it
 shows exactly what training sees: the first N sequences as text, the label tokens (the ones the loss is computed
 on) highlighted, each document inside a packed row marked where its position_ids restart at 0, the padding that
-fills the row, and per source the rows read, documents kept and keys ignored (manifest). In a terminal the labels
+fills the row, and per source the rows read, documents kept and keys ignored (manifest). A preference pair shows
+its chosen and its rejected conversation, the labels on each completion. In a terminal the labels
 are coloured; elsewhere (a pipe, a log file) they are wrapped in ⟦ ⟧. An HTML copy goes to
 layout.inspect_html.
 """
@@ -47,6 +48,17 @@ def documents(ids, labels, pos, pad_id: int) -> list[dict]:
     return docs
 
 
+def pair_documents(row: dict, pad_id: int) -> list[dict]:
+    """A preference pair's prepared row (data/prepare.py PAIR_COLUMNS) as its two conversations, chosen then
+    rejected, each one document whose label runs are its completion."""
+    out = []
+    for name, ids, labels in (("chosen", row["input_ids"], row["labels"]),
+                              ("rejected", row["rejected_input_ids"], row["rejected_labels"])):
+        (doc,) = documents(ids, labels, list(range(len(ids))), pad_id)
+        out.append({**doc, "name": name})
+    return out
+
+
 def _decode(tok, ids) -> str:
     return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
@@ -56,10 +68,18 @@ def render_text(tok, row_no: int, n_rows: int, docs: list[dict], color: bool) ->
     real = [d for d in docs if not d["padding"]]
     pad = sum(d["end"] - d["start"] for d in docs if d["padding"])
     c = (lambda code, s: f"{code}{s}{RESET}") if color else (lambda code, s: s)
-    out = [c(CYAN, f"== sequence {row_no + 1} of {n_rows:,}: {n_tok:,} tokens, {len(real)} document"
-                   f"{'s' if len(real) != 1 else ''}, {sum(d['labels'] for d in real):,} label tokens, "
-                   f"{pad:,} padding ==")]
+    if docs and docs[0].get("name"):  # a preference pair: chosen and rejected, labels on the completions
+        out = [c(CYAN, f"== pair {row_no + 1} of {n_rows:,} ==")]
+    else:
+        out = [c(CYAN, f"== sequence {row_no + 1} of {n_rows:,}: {n_tok:,} tokens, {len(real)} document"
+                       f"{'s' if len(real) != 1 else ''}, {sum(d['labels'] for d in real):,} label tokens, "
+                       f"{pad:,} padding ==")]
     for k, d in enumerate(docs):
+        if d.get("name"):
+            out.append(c(CYAN, f"-- {d['name']}: {d['end']:,} tokens, {d['labels']:,} label tokens (the completion) --"))
+            out.append("".join((c(GREEN, _decode(tok, ids)) if color else f"{OPEN}{_decode(tok, ids)}{CLOSE}") if lab
+                               else _decode(tok, ids) for lab, ids in d["runs"]))
+            continue
         if d["padding"]:
             out.append(c(DIM, f"-- padding: tokens {d['start']:,}-{d['end'] - 1:,}, {d['end'] - d['start']:,} x "
                               f"{_decode(tok, d['runs'][0][1][:1])!r}, no labels --"))
@@ -75,8 +95,10 @@ def render_text(tok, row_no: int, n_rows: int, docs: list[dict], color: bool) ->
 def summary_lines(r: Recipe, m: dict) -> list[str]:
     t, seqs = m["tokens"], m["sequences"]
     share = t["train_label"] / t["train_total"] if t["train_total"] else 0
-    lines = [f"inspect: {layout(r).data} (fingerprint {m['fingerprint']}): {m['counts']['docs_out']:,} documents in "
-             f"{seqs['train']:,} train / {seqs['eval']:,} eval sequences of <= {m['packing']['seq_len']:,} tokens; "
+    units = (f"pairs: {seqs['train']:,} train / {seqs['eval']:,} eval, a chosen and a rejected row of"
+             if m.get("pairs") else f"documents in {seqs['train']:,} train / {seqs['eval']:,} eval sequences of")
+    lines = [f"inspect: {layout(r).data} (fingerprint {m['fingerprint']}): {m['counts']['docs_out']:,} {units} "
+             f"<= {m['packing']['seq_len']:,} tokens; "
              f"{t['train_label']:,} of {t['train_total']:,} train tokens are labels ({share:.1%})"]
     for s in m["sources"]:
         lines.append(f"inspect: source {s['path']} (format {s['format']}, weight {s['weight']}): {s['rows']:,} rows, "
@@ -98,8 +120,15 @@ def _html(r: Recipe, m: dict, tok, shown: list[list[dict]], n_rows: int) -> str:
     parts += [f"<li>{e(x.removeprefix('inspect: '))}</li>" for x in summary_lines(r, m)]
     parts.append("</ul>")
     for k, docs in enumerate(shown):
-        parts.append(f"<h2>sequence {k + 1} of {n_rows:,}</h2>")
+        parts.append(f"<h2>{'pair' if docs and docs[0].get('name') else 'sequence'} {k + 1} of {n_rows:,}</h2>")
         for j, d in enumerate(docs):
+            if d.get("name"):
+                parts.append(f"<div class='doc'>{d['name']}: {d['end']:,} tokens, {d['labels']:,} label tokens "
+                             "(the completion)</div><pre>")
+                parts += [f"<span class='label'>{e(_decode(tok, ids))}</span>" if lab else e(_decode(tok, ids))
+                          for lab, ids in d["runs"]]
+                parts.append("</pre>")
+                continue
             if d["padding"]:
                 parts.append(f"<div class='pad'>padding: tokens {d['start']:,}-{d['end'] - 1:,}, no labels</div>")
                 continue
@@ -120,9 +149,13 @@ def inspect_data(r: Recipe, n: int = 2, out=None, color: bool | None = None) -> 
     m = require_prepared(r)  # missing or stale: one line naming `make data RECIPE=...`
     tok = load_tokenizer(r)
     ds = load_from_disk(str(layout(r).data_train))
-    rows = ds.select(range(min(max(n, 0), len(ds))))[:]
-    shown = [documents(i, lab, p, m["pad_token_id"])
-             for i, lab, p in zip(rows["input_ids"], rows["labels"], rows["position_ids"])]
+    picked = ds.select(range(min(max(n, 0), len(ds))))
+    if "rejected_input_ids" in ds.column_names:  # preference pairs
+        shown = [pair_documents(row, m["pad_token_id"]) for row in picked]
+    else:
+        rows = picked[:]
+        shown = [documents(i, lab, p, m["pad_token_id"])
+                 for i, lab, p in zip(rows["input_ids"], rows["labels"], rows["position_ids"])]
     for line in summary_lines(r, m):
         print(line, file=out)
     print(f"inspect: label tokens {'in green' if color else f'between {OPEN} and {CLOSE}'}", file=out)

@@ -92,7 +92,12 @@ def _grad_accum_bytes(ds: dict | None) -> int | None:
 
 
 def _grad_accum(r: Recipe, seq: int, micro: int, world: int) -> int:
+    """micro: rows per micro-batch, the planner's unit (_rows: a DPO pair's chosen and rejected rows count two)."""
     return batchmod.grad_accum(r.train.global_batch_tokens, seq, micro, world)
+
+
+def _rows(r: Recipe, micro: int) -> int:
+    return micro * batchmod.rows_per_sample(r)
 
 
 def _memory(r, shape, choice, zero, seq, micro, gpus_per_node, nodes, g, accum=None):
@@ -101,7 +106,8 @@ def _memory(r, shape, choice, zero, seq, micro, gpus_per_node, nodes, g, accum=N
                             packing=r.data.packing, zero=zero, gpus_per_node=gpus_per_node, nodes=nodes,
                             gpu_is_cuda=g.capability is not None, peft=_peft(r, shape), capability=g.capability,
                             lm_head_trainable=r.peft.method == "none" or "lm_head" in r.peft.modules_to_save,
-                            grad_accum_bytes=accum, grad_accum=_grad_accum(r, seq, micro, gpus_per_node * nodes))
+                            grad_accum_bytes=accum, grad_accum=_grad_accum(r, seq, micro, gpus_per_node * nodes),
+                            preference_chunk=r.preference.chunk_tokens if r.pairs else None)
 
 
 def _peft(r: Recipe, shape):
@@ -209,7 +215,7 @@ def _node_table(r, shape, g, gpu_name, choice, zero, accum, gpn, docs, save_s, c
     """The recipe's own batch on 1, 2, 4, 8 nodes of the same kind (GA from the world size), with and without
     ZeRO++ hierarchical partitioning (zero_hpz_partition_size = GPUs per node) and its memory, on the GPU's
     cluster type and the alternatives beside it (planner/time.py CLUSTERS)."""
-    seq, micro = r.data.seq_len, r.train.micro_batch_size
+    seq, micro = r.data.seq_len, _rows(r, r.train.micro_batch_size)
     clusters = (own, *timemodel.ALTERNATIVES.get(own, ()))
     rows = []
     for n in NODE_COUNTS:
@@ -377,9 +383,10 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
         mem = _memory(r, shape, choice, zero, seq, micro, gpn, nn, g, accum)
         return mem, mem["peak"] <= capacity
 
-    own_mem, own_fits = fits(r.data.seq_len, r.train.micro_batch_size)
+    own_mem, own_fits = fits(r.data.seq_len, _rows(r, r.train.micro_batch_size))
     try:
-        own_batch = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
+        own_batch = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world,
+                                    batchmod.rows_per_sample(r))
         batch_error = None
     except batchmod.BatchError as e:
         own_batch, batch_error = None, str(e)
@@ -397,11 +404,11 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     for seq in seqs:
         for micro in MICRO_CHOICES:
             try:
-                bp = batchmod.derive(r.train.global_batch_tokens, seq, micro, world)
+                bp = batchmod.derive(r.train.global_batch_tokens, seq, micro, world, batchmod.rows_per_sample(r))
             except batchmod.BatchError:
                 continue  # must reach global_batch_tokens exactly
-            mem, ok = fits(seq, micro)
-            t = _step_time(r, shape, g, gpu_name, seq, world, micro, choice.attention, docs, **time_kw)
+            mem, ok = fits(seq, _rows(r, micro))
+            t = _step_time(r, shape, g, gpu_name, seq, world, _rows(r, micro), choice.attention, docs, **time_kw)
             options.append({"seq_len": seq, "micro_batch_size": micro, "grad_accum": bp.grad_accum,
                             "peak_bytes": mem["peak"], "fits": ok, "seconds_per_step": t["seconds_per_step"],
                             "flops_per_step": t["flops_per_step"], "attention_kind": t["attention_kind"],
@@ -426,8 +433,8 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
         rec = own_opt
 
     suggestions = [] if rec else _suggestions(r, shape, choice, zero, gpn, nn, g, capacity, accum)
-    time = _step_time(r, shape, g, gpu_name, r.data.seq_len, world, r.train.micro_batch_size, choice.attention, docs,
-                      **time_kw)
+    time = _step_time(r, shape, g, gpu_name, r.data.seq_len, world, _rows(r, r.train.micro_batch_size),
+                      choice.attention, docs, **time_kw)
     _samples_gather_once(phases["samples"], shape, choice, capacity, world)
     for name, t in _phase_times(r, shape, g, gpu_name, choice, gpn, nn, cluster, disk, docs, data, time,
                                 gather_once=phases["samples"]["gather_once"]).items():
@@ -478,7 +485,8 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
                 "reasons": list(choice.reasons)},
         recipe_config={"seq_len": r.data.seq_len, "micro_batch_size": r.train.micro_batch_size,
                        "grad_accum": own_batch.grad_accum if own_batch else None, "batch_error": batch_error,
-                       "global_batch_tokens": r.train.global_batch_tokens, "fits": own_fits and not batch_error},
+                       "global_batch_tokens": r.train.global_batch_tokens, "fits": own_fits and not batch_error,
+                       "rows_per_sample": batchmod.rows_per_sample(r)},
         memory={"parts": own_mem["parts"], "peak_bytes": own_mem["peak"], "capacity_bytes": capacity,
                 "views": own_mem["views"],  # allocated / reserved / nvidia-smi peaks (calibration.py)
                 "model_states_how": own_mem["model_states_how"], "logits_how": own_mem["logits_how"],
@@ -524,10 +532,14 @@ def _phase_times(r: Recipe, shape, g, gpu_name, choice, gpn: int, nodes: int, cl
         n_params=shape.n_params, layers=shape.layers, q_dim=shape.q_dim,
         dtype_bytes=hardware.dtype_bytes(choice.precision), world=gpn * nodes, nodes=nodes,
         c=timemodel.CLUSTERS[name], peak_tflops=hardware.peak_tflops(g, choice.precision), mfu=mfu, seq=seq,
-        attention_span=span, eval_rows=data.get("eval_sequences") if r.data.eval_fraction > 0 else 0,
+        attention_span=span, eval_rows=_rows(r, data.get("eval_sequences") or 0) if r.data.eval_fraction > 0 else 0,
         samples=r.eval.samples if sets else 0, prompt_tokens=seq,  # the memory phase's bound: prompts <= a row
         new_tokens=sets[0].max_new_tokens if sets else 0, checkpoint_bytes=disk["checkpoint_bytes"],
-        model_bytes=disk["model_bytes"], save_s=disk["checkpoint_bytes"] / SAVE_BYTES_PER_S, gather_once=gather_once)
+        model_bytes=disk["model_bytes"], save_s=disk["checkpoint_bytes"] / SAVE_BYTES_PER_S, gather_once=gather_once,
+        # DPO: a micro-batch's rows per no-grad forward; the reference pass: every pair's 2 rows (None: no data yet)
+        rows_per_forward=_rows(r, r.train.micro_batch_size) if r.pairs else 1,
+        reference_rows=_rows(r, data["train_sequences"] + (data.get("eval_sequences") or 0))
+        if r.pairs and data["train_sequences"] is not None else None)
 
 
 def _phases(r: Recipe, shape, choice, zero, g, gpn: int, world: int, capacity: int, train: dict) -> dict:
@@ -536,7 +548,7 @@ def _phases(r: Recipe, shape, choice, zero, g, gpn: int, world: int, capacity: i
 
     peft = _peft(r, shape)
     sets = eval_sets(r)  # in-training samples answer the first set's prompts (validation._sample_prompts)
-    seq, micro = r.data.seq_len, r.train.micro_batch_size
+    seq, micro = r.data.seq_len, _rows(r, r.train.micro_batch_size)
     return phase_plan(m=shape, train=train, precision=choice.precision, attention=choice.attention,
                       liger=choice.liger, packing=r.data.packing, zero=zero, world=world, gpus_per_node=gpn,
                       on_gpu=g.capability is not None, seq=seq, micro=micro,
@@ -544,12 +556,13 @@ def _phases(r: Recipe, shape, choice, zero, g, gpn: int, world: int, capacity: i
                       trainable=peft[1] if peft else shape.n_params, peft=peft, gpu_capacity=capacity,
                       host_capacity=int(r.plan.cpu_ram_gb * 1e9), validation_runs=r.data.eval_fraction > 0,
                       samples=r.eval.samples if sets else 0,
-                      max_new_tokens=sets[0].max_new_tokens if sets else 0, quant_type=r.quantize.type)
+                      max_new_tokens=sets[0].max_new_tokens if sets else 0, quant_type=r.quantize.type,
+                      preference_chunk=r.preference.chunk_tokens if r.pairs else None)
 
 
 def _suggestions(r, shape, choice, zero, gpn, nn, g, capacity, accum=None) -> list[str]:
     """Nothing fits: try the usual switches one at a time at the recipe's seq_len, report which work."""
-    seq, micro = r.data.seq_len, 1
+    seq, micro = r.data.seq_len, _rows(r, 1)
     out = []
 
     def peak(ch=choice, z=zero, s=seq, n=gpn):

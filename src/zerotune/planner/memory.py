@@ -74,6 +74,13 @@ def config_source(r: Recipe) -> Path:
     shipped = public_config(name)  # the public config, shipped (families.py): planning needs no download
     if shipped is not None:
         return shipped
+    from ..layout import producing_recipe
+
+    made_by = producing_recipe(local) if local is not None else None
+    if made_by:  # another recipe's published model, not trained yet (DPO after SFT): the same shape as its start
+        from ..config import load_recipe
+
+        return config_source(load_recipe(made_by))
     raise ModelConfigError(
         f"model.name_or_path '{name}': no local folder with a config.json and no shipped config for it. "
         "Download the model (or just its config.json) into a folder and point model.name_or_path at it.")
@@ -145,7 +152,7 @@ def sliding_block_mask_elements(seq: int, window: int) -> int:
 
 def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, attention: str = "sdpa",
                      checkpointing: bool = True, packing: bool = False, liger: bool = False,
-                     padded: bool | None = None, residual_bytes: int | None = None) -> dict:
+                     padded: bool | None = None, residual_bytes: int | None = None, fused_loss: bool = False) -> dict:
     """Bytes of tensors saved for backward (deduplicated by storage), per rank, for one micro-batch.
 
     attention: "sdpa" = a fused kernel that keeps no S x S matrix (CUDA memory-efficient on V100/T4;
@@ -153,6 +160,7 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
     "flash_attention_2" = the same without a mask; "eager" = materialised S^2 scores per head.
     residual_bytes: dtype of the residual stream when it differs from the matmuls' (QLoRA: peft's
     prepare_model_for_kbit_training leaves fp32 embeddings, so the stream between layers is fp32).
+    fused_loss: the loss saves no log-softmax (DPO's fused loss, preference_loss_bytes), as with Liger.
     The family (m.family) decides the norms (Llama-style or Gemma's fp32 (1 + w) norm, 2 or 4 per layer,
     q/k norms) and which layers slide (Gemma 3: a sliding-window layer at seq >= its window needs a mask).
     Returns the parts and `saved_peak`, the most bytes alive at once (end of forward without
@@ -236,7 +244,7 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
     ids = 8 * T + (e if fam.embed_scale else 0)  # Gemma: the embed_scale scalar its multiply saves
     rope_one = 2 * (b if packing else 1) * S * m.head_dim * e  # cos, sin: per sample when positions restart
     rope = rope_one * len(set(types))  # Gemma 3: a global and a local rotary embedding
-    loss = 0 if liger else 4 * T * m.vocab + 8 * b * (S + 1) + 4  # log-softmax output (fp32), labels
+    loss = 0 if (liger or fused_loss) else 4 * T * m.vocab + 8 * b * (S + 1) + 4  # log-softmax output (fp32), labels
     layer_inputs = m.layers * res * T * h
 
     if not checkpointing:
@@ -281,6 +289,23 @@ def logits_loss_bytes(m: ModelShape, tokens: int, dtype_bytes: int, liger: bool,
         b += m.vocab * m.hidden * dtype_bytes
         how += " + lm_head weight grad"
     return b, how
+
+
+def preference_loss_bytes(m: ModelShape, tokens: int, dtype_bytes: int, chunk: int,
+                          lm_head_trainable: bool = True) -> tuple[int, str]:
+    """Peak of DPO's fused loss for one micro-batch of `tokens` tokens (preference/loss.py FusedPairLoss), bounded by
+    taking every token as a label (completions as long as the rows). Forward: the label positions' hidden states
+    (e B) and their fp32 gradient, lm_head's fp32 gradient (4 B x vocab x hidden), and one chunk's fp32 logits,
+    softmax-gradient and its 16-bit copy ((8 + e) B x chunk x vocab). Backward scales the saved gradients: lm_head's
+    is cast to the model dtype beside its fp32 buffer, the hidden states' likewise. The larger of the two instants."""
+    e, V, h = dtype_bytes, m.vocab, m.hidden
+    c = min(chunk, tokens)
+    head = 4 * V * h if lm_head_trainable else 0
+    forward = (e + 4) * tokens * h + head + (8 + e) * c * V + 4 * c * h
+    backward = (4 + e) * tokens * h + head + (e * V * h if lm_head_trainable else 0)
+    return max(forward, backward), (f"fused DPO loss: {c:,}-token logits chunk (fp32) + label positions' hidden states "
+                                    f"and their fp32 grad" + (" + lm_head's fp32 grad" if lm_head_trainable else "")
+                                    + "; no sequence x vocabulary logits")
 
 
 def liger_fallback_bytes(m: ModelShape, dtype_bytes: int, liger: bool, capability: tuple[int, int] | None,
@@ -431,12 +456,14 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
                      checkpointing: bool, packing: bool, zero: dict | None, gpus_per_node: int, nodes: int,
                      gpu_is_cuda: bool = True, peft: tuple[str, int] | None = None,
                      capability: tuple[int, int] | None = None, lm_head_trainable: bool | None = None,
-                     grad_accum_bytes: int | None = None, grad_accum: int = 1) -> dict:
+                     grad_accum_bytes: int | None = None, grad_accum: int = 1,
+                     preference_chunk: int | None = None) -> dict:
     """Ordered {component: bytes} per GPU plus the peak (their sum) and notes. capability: the target GPU's
     (Liger's fused CE takes a costlier path below sm80); lm_head_trainable: default full fine-tuning only;
     grad_accum_bytes: DeepSpeed's gradient accumulation dtype (data_types.grad_accum_dtype; default: the
     model's); grad_accum: micro-batches per optimizer step (all of them sit on the GPU together:
-    prefetched_batches_bytes)."""
+    prefetched_batches_bytes); preference_chunk: DPO (preference.chunk_tokens): micro counts rows (2 per pair), and
+    the loss is the fused DPO loss (preference_loss_bytes) instead of cross entropy."""
     e = 2 if precision in ("fp16", "bf16") else 4
     world = gpus_per_node * nodes
     if peft is not None:  # (method, trainable params)
@@ -446,7 +473,8 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     # QLoRA: prepare_model_for_kbit_training casts every non-4-bit 16-bit parameter to fp32 (peft 0.21.2
     # peft/utils/other.py:204-209), embeddings included, so the residual stream runs in fp32 under autocast.
     res = 4 if peft is not None and peft[0] == "qlora" else e
-    act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger, residual_bytes=res)
+    act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger, residual_bytes=res,
+                           fused_loss=preference_chunk is not None)
     parts = {"model states (DeepSpeed estimator)": states}
     buffers = deepspeed_buffers(m, zero, world, e)
     parts.update(buffers)
@@ -463,8 +491,11 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     batches = prefetched_batches_bytes(micro, seq, grad_accum)
     parts["GA micro-batches (prefetched)"] = batches - 8 * micro * seq
     head_trainable = peft is None if lm_head_trainable is None else lm_head_trainable
-    logits, logits_how = logits_loss_bytes(m, micro * seq, e, liger, capability, head_trainable)
-    fallback = liger_fallback_bytes(m, e, liger, capability, head_trainable)
+    if preference_chunk is not None:
+        logits, logits_how = preference_loss_bytes(m, micro * seq, e, preference_chunk, head_trainable)
+    else:
+        logits, logits_how = logits_loss_bytes(m, micro * seq, e, liger, capability, head_trainable)
+    fallback = liger_fallback_bytes(m, e, liger and preference_chunk is None, capability, head_trainable)
     if fallback:
         # It lives at the end of forward, the backward recompute only in backward: the sum above already
         # holds the recompute's bytes, so only the excess is added.

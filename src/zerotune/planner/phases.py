@@ -4,6 +4,8 @@ instant, per GPU (or on the host where host RAM is what runs out), against what 
     train_step    forward + backward of one micro-batch (memory.memory_breakdown)
     validation    the in-training eval loss: one no-grad forward per eval row of seq_len (train/validation.py nll_sum)
     samples       greedy generate() with a KV cache on eval.samples prompts (train/validation.py _samples)
+    reference     DPO only: the starting model's log-probs of every pair before the first step, one no-grad forward
+                  of a micro-batch's rows at a time (preference/reference.py); validation is the same forward
     save          a checkpoint: ZeRO-3 16-bit consolidation + each rank's optimizer shard (GPU; save_host: RAM)
     resume        DeepSpeed load_checkpoint of the ZeRO-3 optimizer shards (GPU; resume_host: RAM)
     finalize      rank 0's CPU process that verifies and publishes the model (host RAM, planner/finalize_ram.py)
@@ -217,9 +219,11 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
                zero: dict | None, world: int, gpus_per_node: int, on_gpu: bool, seq: int, micro: int,
                grad_accum: int, trainable: int, peft: tuple[str, int] | None, gpu_capacity: int,
                host_capacity: int, validation_runs: bool, samples: int, max_new_tokens: int,
-               quant_type: str) -> dict:
+               quant_type: str, preference_chunk: int | None = None) -> dict:
     """{phase: {peak_bytes, fits, limit, capacity_bytes, what, fix, runs, parts}} for one training job.
-    `train` is memory.memory_breakdown's result for the recipe's own seq_len and micro-batch."""
+    `train` is memory.memory_breakdown's result for the recipe's own seq_len and micro-batch. preference_chunk: a DPO
+    job (micro counts rows, 2 per pair): validation and the reference pass forward a micro-batch's padded rows with
+    the fused log-probs (preference/loss.py sequence_logps: one chunk's fp32 logits, no sequence x vocabulary ones)."""
     e = train["dtype_bytes"]
     states = train["parts"][MODEL_STATES]
     offload = zero is not None and (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
@@ -237,18 +241,39 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
                                   f"forward + backward of {micro} x {seq:,} tokens (the breakdown above)",
                                   "see the training-step breakdown and suggestions"), "views": train["views"]}
 
-    # validation: validation.nll_sum, one row of <= seq tokens per forward, model.eval(), no grad, use_cache
-    # False: packed position_ids give the block-causal mask (masking_utils.py:875-881) as in training.
-    mask = _attention_has_mask(attention, packing, 1)
     docs = attention == "sdpa_docs"  # attention.py: per-document SDPA with k/v repeated to all heads
-    val = {**resident, **gathering, "eval row (input_ids, labels, position_ids)": 3 * 8 * seq,
-           "attention mask": persistent_mask_bytes(1, seq, e, attention, packing),
-           **nograd_forward_parts(m, seq, e, mask=(1, seq, seq) if mask else None, liger=liger, on_gpu=on_gpu,
-                                  loss=eval_loss_bytes(m, seq, e, fused=liger), repeat_kv=docs)}
-    out["validation"] = _gpu_phase(
-        val, gpu_capacity, world, on_gpu, f"eval loss, one {seq:,}-token row per forward, no grad",
-        ("lower data.seq_len or use more GPUs (plan.gpus_per_node, plan.nodes)" if liger else
-         "set train.liger=on (fused loss, no logits) or lower data.seq_len"), runs=validation_runs)
+    if preference_chunk is None:
+        # validation: validation.nll_sum, one row of <= seq tokens per forward, model.eval(), no grad, use_cache
+        # False: packed position_ids give the block-causal mask (masking_utils.py:875-881) as in training.
+        mask = _attention_has_mask(attention, packing, 1)
+        val = {**resident, **gathering, "eval row (input_ids, labels, position_ids)": 3 * 8 * seq,
+               "attention mask": persistent_mask_bytes(1, seq, e, attention, packing),
+               **nograd_forward_parts(m, seq, e, mask=(1, seq, seq) if mask else None, liger=liger, on_gpu=on_gpu,
+                                      loss=eval_loss_bytes(m, seq, e, fused=liger), repeat_kv=docs)}
+        out["validation"] = _gpu_phase(
+            val, gpu_capacity, world, on_gpu, f"eval loss, one {seq:,}-token row per forward, no grad",
+            ("lower data.seq_len or use more GPUs (plan.gpus_per_node, plan.nodes)" if liger else
+             "set train.liger=on (fused loss, no logits) or lower data.seq_len"), runs=validation_runs)
+    else:
+        # DPO: a micro-batch of pairs (micro rows, padded: a (rows, 1, S, S) mask) per no-grad forward, the
+        # completions' log-probs chunked (preference/reference.py pair_logps). The reference pass runs before the
+        # first step (no micro-batches fetched yet); validation between steps (they are still bound).
+        T = micro * seq
+        c = min(preference_chunk, T)
+        fused = (e * T * m.hidden + 8 * c * m.vocab + 4 * T, f"fused DPO log-probs: {c:,}-token fp32 logits chunk")
+        pair_fwd = {"pair rows (input_ids, labels, attention_mask)": 3 * 8 * T,
+                    "attention mask": persistent_mask_bytes(micro, seq, e, attention, False),
+                    **nograd_forward_parts(m, T, e, mask=(micro, seq, seq), liger=liger, on_gpu=on_gpu, loss=fused)}
+        before = {k: v for k, v in resident.items() if k != "GA micro-batches (still bound)"}
+        out["reference"] = _gpu_phase(
+            {**before, **gathering, **pair_fwd}, gpu_capacity, world, on_gpu,
+            f"the starting model's log-probs of every pair, {micro} x {seq:,}-token rows ({micro // 2} pair"
+            f"{'s' if micro > 2 else ''}) per forward, no grad, once before step 1",
+            "lower train.micro_batch_size or data.seq_len")
+        out["validation"] = _gpu_phase(
+            {**resident, **gathering, **pair_fwd}, gpu_capacity, world, on_gpu,
+            f"reward accuracy on the validation pairs, {micro} x {seq:,}-token rows per forward, no grad",
+            "lower train.micro_batch_size or data.seq_len", runs=validation_runs)
 
     # samples: generate() greedy with a DynamicCache, one prompt at a time (generation_parts). The prompt's length is
     # unknown before the tokenizer runs: bounded by data.seq_len (held-out prompts are shorter than the training

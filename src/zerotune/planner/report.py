@@ -138,7 +138,9 @@ def format_plan(p: Plan) -> str:
     lines = [f"plan: {p.recipe} on {c['nodes']} x {c['gpus_per_node']} {c['gpu_name']} (world {c['world_size']}); "
              f"model {p.model['n_params']:,} parameters ({p.model.get('family', 'llama')} family)",
              f"  {ch['precision']}, attention {ch['attention']}, liger {'on' if ch['liger'] else 'off'}",
-             f"\nper-GPU memory at seq_len {rc['seq_len']:,} x micro-batch {rc['micro_batch_size']}:"]
+             f"\nper-GPU memory at seq_len {rc['seq_len']:,} x micro-batch {rc['micro_batch_size']}"
+             + (" pair(s): a chosen and a rejected row each, fused DPO loss" if rc.get("rows_per_sample") == 2 else "")
+             + ":"]
     for k, v in m["parts"].items():
         lines.append(f"  {k:<36} {_gib(v)}")
     verdict = "fits" if m["peak_bytes"] <= m["capacity_bytes"] else "DOES NOT FIT"

@@ -321,7 +321,8 @@ def hpz_bytes(n_params: int, dtype_bytes: int, hpz: int) -> int:
 def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, world: int, nodes: int, c: Cluster,
                 peak_tflops: float, mfu: float, seq: int, attention_span: float, eval_rows: int | None,
                 samples: int, prompt_tokens: int, new_tokens: int, checkpoint_bytes: int, model_bytes: int,
-                save_s: float, gather_once: bool = False, probe_tokens: int = 256) -> dict:
+                save_s: float, gather_once: bool = False, probe_tokens: int = 256, rows_per_forward: int = 1,
+                reference_rows: int | None = None) -> dict:
     """Seconds of each phase that is not a training step, once each (the plan prints them beside their memory;
     the deadline reserves the end of training's validation and samples).
     validation: every rank forwards ceil(eval rows / world) rows of `seq` tokens, no grad: 2N + attention FLOPs
@@ -332,7 +333,9 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
       gather_once: the whole model is gathered once for the round (train/validation.py, where the plan finds the memory
       for it), then each token reads the local weights from HBM: decode is memory-bound.
     save: the checkpoint write (compute.SAVE_BYTES_PER_S). resume: reading it back (storage_read).
-    finalize: rank 0 reads the consolidated model back and runs the verification probe on the CPU."""
+    finalize: rank 0 reads the consolidated model back and runs the verification probe on the CPU.
+    DPO: validation and the reference pass forward `rows_per_forward` rows (a micro-batch's pairs) per call, one
+    gather per call; reference: `reference_rows` rows (2 per train and validation pair; None: data not prepared)."""
     multi = nodes > 1
     gather = collective_s(dtype_bytes * n_params, world, c, multi)
     flops_s = peak_tflops * 1e12 * mfu
@@ -341,8 +344,9 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
         compute = tokens * (2 * n_params + 2 * 2 * span * q_dim * layers) / flops_s
         return _pass_s(compute, gather, F("overlap"))
 
-    per_row = forward_s(seq, attention_span)
-    rows = -(-eval_rows // world) if eval_rows else None
+    per_row = forward_s(seq * rows_per_forward, attention_span) / rows_per_forward
+    calls = -(-eval_rows // (world * rows_per_forward)) if eval_rows else None
+    rows = calls * rows_per_forward if calls else None
     if gather_once:
         local = dtype_bytes * n_params / (c.hbm * GB)  # every weight read once per token
         token = max(local, (2 * n_params + 2 * 2 * (prompt_tokens + new_tokens / 2) * q_dim * layers) / flops_s)
@@ -352,7 +356,13 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
         token = forward_s(1, prompt_tokens + new_tokens / 2)  # decode: gather-bound, the compute is ~0
         prefill = forward_s(prompt_tokens, prompt_tokens / 2)
         once = 0.0
+    out = {}
+    if rows_per_forward > 1:  # DPO
+        ref_calls = -(-reference_rows // (world * rows_per_forward)) if reference_rows else None
+        out["reference"] = {"seconds": per_row * rows_per_forward * ref_calls if ref_calls else None,
+                            "per_row_s": per_row, "rows_per_rank": ref_calls and ref_calls * rows_per_forward}
     return {
+        **out,
         "validation": {"seconds": per_row * rows if rows else None, "per_row_s": per_row, "rows_per_rank": rows},
         "samples": {"seconds": once + samples * (prefill + new_tokens * token) if samples else 0.0,
                     "per_token_s": token, "prompts": samples, "new_tokens": new_tokens, "gather_once": gather_once},

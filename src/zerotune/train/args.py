@@ -43,12 +43,18 @@ def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, 
         data_seed=r.train.seed,
         remove_unused_columns=False,
         # unpacked: batch documents of similar length so padding stays small (packed rows are all seq_len)
-        train_sampling_strategy="random" if r.data.packing else "group_by_length",
+        train_sampling_strategy="group_by_length" if length_grouped(r) else "random",
         dataloader_num_workers=0,
         disable_tqdm=True,
         average_tokens_across_devices=True,
         ddp_timeout=3600,
     )
+
+
+def length_grouped(r: Recipe) -> bool:
+    """Unpacked SFT rows are batched by length (less padding). Preference pairs are drawn at random: a length-grouped
+    epoch's order depends on grad-accum (universal.check), so a resume at another world size could not keep it."""
+    return not r.data.packing and not r.pairs
 
 
 def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int,

@@ -101,8 +101,9 @@ class EvalDuringTraining(TrainerCallback):
     liger: the model runs Liger's forward (the fused loss is asked for in eval mode). stop: the run's
     StopOnSignal; a run stopping at a due step skips that validation."""
 
-    def __init__(self, r: Recipe, step_metrics=None, liger: bool = False, stop=None):
+    def __init__(self, r: Recipe, step_metrics=None, liger: bool = False, stop=None, measure=None):
         self.r = r
+        self.measure = measure  # (model, device) -> val_* fields, in place of the SFT loss (DPO: preference/objective.py)
         self.every = r.train.eval_steps
         self.step_metrics = step_metrics
         self.liger = liger
@@ -222,6 +223,8 @@ class EvalDuringTraining(TrainerCallback):
     def _val_loss(self, model, device) -> dict:
         if not self.eval_path.exists():
             return {}
+        if self.measure is not None:
+            return self.measure(model, device)
         if self._ds is None:
             from datasets import load_from_disk
             self._ds = load_from_disk(str(self.eval_path))
@@ -262,9 +265,12 @@ class EvalDuringTraining(TrainerCallback):
         if self.step_metrics is not None:
             self.step_metrics.amend(step, row)  # the step's row, written by StepMetrics.on_log before the save
         parts = [f"step {step}"]
-        if "val_loss" in row:
+        if "val_ppl" in row:
             parts.append(f"val_loss {row['val_loss']:.4f}, val_ppl {row['val_ppl']:.3g} "
                          f"({row['val_tokens']:,} label tokens)")
+        elif "val_reward_accuracy" in row:  # preference pairs (DPO)
+            parts.append(f"val_loss {row['val_loss']:.4f}, reward accuracy {row['val_reward_accuracy']:.3f}, "
+                         f"margin {row['val_reward_margin']:.4f} ({row['val_pairs']:,} pairs)")
         if samples:
             how = " (the whole model gathered once)" if getattr(self, "gathered", False) else ""
             parts.append(f"samples {sum(s['score'] for s in samples):g}/{len(samples)} correct "

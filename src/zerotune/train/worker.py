@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .. import batch as batchmod
 from .. import attention, families, hardware, adapters, quiet
+from ..preference import objective as preference
 from ..config import Recipe
 from ..data.cache import load_tokenizer, require_prepared
 from ..layout import RunLayout, layout
@@ -74,6 +75,8 @@ class Run:
     universal: Path | None = None  # resuming a checkpoint of another world size: its conversion (universal.py)
     saved_world: int | None = None  # ... and the world size that wrote it
     family: families.Family | None = None  # the model's family (families.py): Liger patch, precision limits
+    objective: preference.Objective | None = None  # preference tuning (DPO): collate, loss, Trainer, reference pass
+    probe_collate: object = None  # collates the row the save's verification probe is cut from (an SFT row)
 
     @property
     def on_gpu(self) -> bool:
@@ -115,7 +118,8 @@ def setup(r: Recipe) -> Run:
     family = model_family(paths.base)  # an unknown architecture stops here, before any weight is read
     choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger, family=family)
     data_manifest = require_prepared(r)
-    bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world)
+    bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world,
+                         batchmod.rows_per_sample(r))
     train_ds = load_from_disk(str(paths.data_train))
     steps = total_steps(len(train_ds), bp, r)
     args = training_arguments(r, bp, choice, gpu.capability is not None, steps,  # before the model: zero.Init
@@ -130,16 +134,22 @@ def setup(r: Recipe) -> Run:
             deepspeed.init_distributed(dist_backend="gloo" if gpu.capability is None else "nccl")
         # accelerate's plugin says GA 1 under DeepSpeed and takes the config's: harmless when that is ours
         quiet.drop_log("accelerate.accelerator", f"GradientAccumulationPlugin has 1, DeepSpeed config has {bp.grad_accum}.")
-    collate = collate_packed if r.data.packing else make_collate_padded(data_manifest["pad_token_id"])
-    run = Run(paths, rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate, folder, saved, family)
+    sft_collate = collate_packed if r.data.packing else make_collate_padded(data_manifest["pad_token_id"])
+    objective = preference.for_recipe(r, data_manifest["pad_token_id"])  # DPO's pieces (preference/); None: SFT
+    collate = objective.collate if objective else sft_collate
+    run = Run(paths, rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate, folder, saved, family,
+              objective, probe_collate=make_collate_padded(data_manifest["pad_token_id"]) if objective else collate)
 
     run.say(f"{gpu.name}, world size {world}, {choice.describe()}; " + "; ".join(choice.reasons))
     if run.on_gpu:  # a wheel without this GPU's sm fails at its first kernel
         run.say(f"torch {torch.__version__} (CUDA {torch.version.cuda}) kernels for {torch.cuda.get_arch_list()}")
-    run.say(f"{bp.describe()}; {steps} optimizer steps ({len(train_ds)} sequences, {bp.sequences_per_step} per step)")
+    run.say(f"{bp.describe()}; {steps} optimizer steps ({len(train_ds)} {'pairs' if objective else 'sequences'}, "
+            f"{bp.sequences_per_step} per step)")
+    if objective:
+        run.say(objective.describe())
     if saved is not None:
         was = CommitMarker.read(resume).grad_accum  # None in older markers: the same batch at the old world
-        was = was or batchmod.derive(bp.global_batch_tokens, bp.seq_len, bp.micro_batch_size, saved).grad_accum
+        was = was or batchmod.derive(bp.global_batch_tokens, bp.seq_len, bp.micro_batch_size, saved, bp.rows).grad_accum
         run.say(f"world size {saved} -> {world}: DeepSpeed loads {resume.name}'s universal conversion ({folder}); "
                 f"grad-accum {was} -> {bp.grad_accum}, the global batch of {bp.global_batch_tokens:,} tokens and "
                 "the sequences of each step unchanged")
@@ -172,7 +182,9 @@ def load_model(r: Recipe, run: Run):
                                                  attn_implementation=attention.load_name(run.choice.attention),
                                                  **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
-    if run.choice.liger and run.args.deepspeed:
+    if run.objective:
+        run.objective.attach(model)  # its forward answers pair batches with DPO's fused loss (preference/loss.py)
+    if (run.choice.liger or run.objective) and run.args.deepspeed:  # both read lm_head.weight in the forward
         gather_lm_head_with_model(model)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())  # ZeRO-3 shards
     n_trainable = None
@@ -214,12 +226,17 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
                           flops_per_token(n_params, cfg.num_hidden_layers, cfg.hidden_size, r.data.seq_len),
                           hardware.peak_tflops(run.gpu, run.choice.precision), run.world, safety=safety)
     commit = CommitCheckpoints(r.train.save_total_limit, run.bp)
-    trainer = Trainer(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
-                      # safety before metrics: a step or loss that stops the run is judged before it is logged;
-                      # validation after CommitCheckpoints: a step is committed before it is validated
-                      callbacks=[EndAtLastStep(), safety, metrics, stop, commit,
-                                 evaluation := EvalDuringTraining(r, metrics, run.choice.liger, stop),
-                                 *faults.callbacks(model)])
+    objective = run.objective
+    trainer_class, extra = (objective.trainer_class, {"objective": objective}) if objective else (Trainer, {})
+    trainer = trainer_class(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
+                            # safety before metrics: a step or loss that stops the run is judged before it is logged;
+                            # validation after CommitCheckpoints: a step is committed before it is validated
+                            callbacks=[EndAtLastStep(), *(objective.callbacks(run) if objective else ()), safety,
+                                       metrics, stop, commit,
+                                       evaluation := EvalDuringTraining(r, metrics, run.choice.liger, stop,
+                                                                        measure=objective.validate if objective
+                                                                        else None),
+                                       *faults.callbacks(model)], **extra)
     safety.attach(trainer)
     evaluation.attach(trainer)
     if run.universal is not None:  # after DeepSpeed loaded the conversion: restore what it leaves out, and check
@@ -306,7 +323,7 @@ def save_for_finalize(r: Recipe, run: Run, trainer, n_params: int, n_trainable: 
     import torch.distributed as dist
 
     # a short prefix of one row, logits kept in the training dtype: size bounded whatever seq_len (verify.py)
-    probe = {k: v.to(run.args.device) for k, v in probe_inputs(run.collate([run.train_ds[0]])).items()}
+    probe = {k: v.to(run.args.device) for k, v in probe_inputs(run.probe_collate([run.train_ds[0]])).items()}
     with torch.no_grad():
         trainer.model_wrapped.eval()
         ref_logits = trainer.model_wrapped(**probe, use_cache=False).logits  # use_cache=False as finalize

@@ -1,0 +1,150 @@
+"""DPO's loss for a micro-batch of pairs, computed inside the model's forward, without vocabulary-wide logits.
+
+A micro-batch is 2m rows: m chosen conversations, then their m rejected ones (objective.py collate). A row's
+log-probability is the sum of log p(token) over its label tokens (the completion; formats.Pair), as TRL's DPOTrainer
+sums them. The reference model's log-probabilities come precomputed (reference.py), so no second model exists.
+
+The formula is liger-kernel's: `LigerFusedLinearDPOFunction.preference_loss_fn` (liger_kernel 0.8.5
+chunked_loss/dpo_loss.py:9-140), every variant of it but ipo (which Liger itself refuses), on the per-row
+log-probabilities: sigmoid = -log sigmoid(beta x ((pi_c - ref_c) - (pi_r - ref_r))), summed over the pairs and divided
+by their number; rewards = beta x (pi - ref).
+
+Why not Liger's fused DPO loss whole (`LigerFusedLinearDPOLoss`, fused_linear_preference.py): it chunks over pairs, not
+tokens. Each chunk computes `input_chunk @ weight.t()` at every position of its 2 x chunk_size whole rows and then
+`log_softmax(logits.float())` (fused_linear_preference.py:335-339): one pair of 4,096-token rows at Llama-3.1's 128,256
+vocabulary is 1.05e9 logits, 2.1 GB in fp16 plus 4.2 GB in fp32 plus 4.2 GB of log-softmax, and torch.func's gradient
+of it: the logits this path exists to avoid. It also takes the reference model's hidden states and lm_head weight
+(ref_input, ref_weight), not log-probabilities computed once, so the reference model would stay in GPU memory.
+
+So the log-probabilities are ours (`FusedPairLoss`, plain torch, the same on CPU and GPU): only positions that predict a
+label token meet lm_head (a prompt's tokens never do), `chunk_tokens` of them at a time, and, as Liger's fused losses
+do, the gradients of the hidden states and of lm_head's weight are computed in forward: the log-probabilities first
+(no grad), then the loss and its gradient per row on those few numbers, then each chunk's logits again to turn that
+into gradients. lm_head's weight is then read only inside the model's forward, where ZeRO-3 has it gathered (the
+worker registers it with the top module, as for Liger); backward only scales what forward saved.
+
+Memory per micro-batch beyond the model's own activations (planner/memory.py preference_loss_bytes): one chunk's
+logits, probabilities and their gradient in fp32 (~12 B x chunk x vocab), the label positions' hidden states and
+their gradient (fp32), and lm_head's gradient in fp32 (4 B x vocab x hidden; 2.1 GB at 8B).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+# 16-bit models: the logits' gradient (at most |d loss / d logp| per element, ~beta / pairs) is scaled by this before its
+# 16-bit matmul with lm_head's weight and unscaled after, so its small entries do not flush to zero (fp16 keeps
+# magnitudes down to 6e-8); the products stay far below fp16's 65,504.
+GRAD_SCALE = 1024.0
+
+
+def label_positions(labels):
+    """(row, position, target) of every position whose next token is a label: HF's shift (logits at t predict t+1)."""
+    nxt = labels[:, 1:]
+    rows, pos = (nxt != IGNORE).nonzero(as_tuple=True)
+    return rows, pos, nxt[rows, pos]
+
+
+def _logits(h, weight, softcap):
+    z = (h @ weight.t()).float()
+    return softcap * torch.tanh(z / softcap) if softcap else z
+
+
+def sequence_logps(h, weight, targets, rows, n_rows: int, chunk: int, softcap=None):
+    """Per row, the sum of log p(target) over its label positions: (n_rows,) fp32, `chunk` positions' logits at a time.
+    h: (N, hidden) hidden states at the N label positions; rows: (N,) their row."""
+    out = torch.zeros(n_rows, dtype=torch.float32, device=h.device)
+    with torch.no_grad():
+        for s in range(0, len(targets), chunk):
+            z = _logits(h[s:s + chunk], weight, softcap)
+            lp = z.gather(1, targets[s:s + chunk, None])[:, 0] - torch.logsumexp(z, -1)
+            out.index_add_(0, rows[s:s + chunk], lp)
+    return out
+
+
+class FusedPairLoss(torch.autograd.Function):
+    """loss_fn(per-row log-probs) with the gradients of h and lm_head's weight computed in forward (module docstring).
+    Returns (loss, per-row log-probs, per-row rewards); only the loss is differentiable."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, rows, ref, loss_fn, chunk: int, softcap):
+        logps = sequence_logps(h, weight, targets, rows, ref.numel(), chunk, softcap)
+        with torch.enable_grad():
+            x = logps.detach().requires_grad_()
+            loss, rewards = loss_fn(x, ref)
+            (g,) = torch.autograd.grad(loss, x)  # d loss / d log p(row): the weight of each row's tokens
+        grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if h.requires_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if weight.requires_grad else None
+        scale = 1.0 if weight.dtype == torch.float32 else GRAD_SCALE
+        for s in range(0, len(targets), chunk):
+            h_c, t = h[s:s + chunk], targets[s:s + chunk]
+            gr = g[rows[s:s + chunk]]
+            z = _logits(h_c, weight, softcap)
+            gz = torch.softmax(z, -1).mul_(-gr[:, None])  # d (sum gr x log p(t)) / dz = gr x (onehot(t) - softmax)
+            gz[torch.arange(len(t), device=t.device), t] += gr
+            if softcap:
+                gz.mul_(1 - (z / softcap) ** 2)  # through softcap x tanh(z / softcap)
+            del z
+            if grad_h is not None:
+                grad_h[s:s + chunk] = ((gz * scale).to(weight.dtype) @ weight).float().div_(scale)
+            if grad_w is not None:
+                grad_w.addmm_(gz.t(), h_c.float())
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.mark_non_differentiable(logps, rewards)
+        return loss.detach(), logps, rewards.detach()
+
+    @staticmethod
+    def backward(ctx, g_loss, _logps, _rewards):
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        out_h = None if grad_h is None else (grad_h * g_loss).to(h_dtype)
+        out_w = None if grad_w is None else (grad_w * g_loss).to(w_dtype)
+        return out_h, out_w, None, None, None, None, None, None
+
+
+def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float = 0.0):
+    """(per-row log-probs of the policy, of the reference) -> (loss, per-row rewards), rows = [chosen..., rejected...]:
+    liger-kernel's formula (module docstring)."""
+    from liger_kernel.chunked_loss.dpo_loss import LigerFusedLinearDPOFunction
+
+    def fn(logps, ref):
+        m = logps.numel() // 2
+        loss, chosen_rewards, rejected_rewards = LigerFusedLinearDPOFunction.preference_loss_fn(
+            logps[:m], logps[m:], logps,  # full_target: only its length is read (n_pairs = len // 2)
+            ref_chosen_logps=ref[:m], ref_rejected_logps=ref[m:], beta=beta, loss_type=loss_type,
+            label_smoothing=label_smoothing)
+        return loss, torch.cat([chosen_rewards, rejected_rewards])
+
+    return fn
+
+
+def pair_forward(model, input_ids, attention_mask, labels, ref_logps=None, loss_fn=None, chunk: int = 1024):
+    """The decoder, then the completions' log-probs (ref_logps None: no grad, e.g. the reference pass) or the DPO loss.
+    Runs inside the top module's forward (attach), where ZeRO-3 gathered lm_head's weight."""
+    body = getattr(model, model.base_model_prefix)
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    rows, pos, targets = label_positions(labels)
+    weight = model.get_output_embeddings().weight
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    n_rows = input_ids.shape[0]
+    if ref_logps is None:
+        return {"logps": sequence_logps(hidden[rows, pos].detach(), weight, targets, rows, n_rows, chunk, softcap)}
+    loss, logps, rewards = FusedPairLoss.apply(hidden[rows, pos], weight, targets, rows, ref_logps.float(),
+                                               loss_fn, chunk, softcap)
+    return {"loss": loss, "logps": logps, "rewards": rewards}
+
+
+def attach(model, loss_fn, chunk: int) -> None:
+    """model(..., pair_logps=True) returns the completions' log-probs, model(..., ref_logps=...) DPO's loss; every other
+    call (generation, validation of SFT rows, the save's probe) goes to the model's own forward. On the instance, not
+    the class: the Trainer's DeepSpeed engine calls the module, so this runs inside its forward and its hooks."""
+    own = model.forward
+
+    def forward(*args, pair_logps: bool = False, ref_logps=None, **kw):
+        if not pair_logps and ref_logps is None:
+            return own(*args, **kw)
+        return pair_forward(model, kw["input_ids"], kw.get("attention_mask"), kw["labels"], ref_logps, loss_fn, chunk)
+
+    model.forward = forward
