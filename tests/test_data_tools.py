@@ -255,7 +255,7 @@ def test_recipe_columns_roles_and_tools_are_checked_at_load(tmp_path):
         load({"columns": {"mesages": "conversations"}})
     with pytest.raises(RecipeError, match=r"columns: 'role'.*format instruction"):
         load({"format": "instruction", "columns": {"role": "from"}})
-    with pytest.raises(RecipeError, match="roles.*for format messages or sharegpt only"):
+    with pytest.raises(RecipeError, match="roles.*for formats messages, sharegpt, preference, openai_preference only"):
         load({"format": "instruction", "roles": {"bot": "assistant"}})
     with pytest.raises(RecipeError, match="roles.*one of"):
         load({"format": "sharegpt", "roles": {"bot": "robot"}})

@@ -139,12 +139,21 @@ def test_the_shipped_8b_recipes_stop_before_launch_until_fetched(hf_home, tmp_pa
 
 
 def test_the_shipped_cpu_recipes_pass(hf_home):
-    """Random init (init_config) and the local SmolLM2 folder: nothing to fetch, and the preflight passes."""
+    """Random init (init_config) and the local SmolLM2 folder: nothing to fetch, and the preflight passes; a recipe
+    that starts from another recipe's model (smollm2_dpo) passes once that model is published, and until then
+    says which recipe to run first."""
+    from zerotune.layout import upstream_to_train
+
     names = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
     local = [n for n in names if (m := load_recipe(n).model.name_or_path) is None or not is_hub_id(m)]
-    assert {"tiny", "tiny_lora", "tiny_qlora", "smollm2", "smollm2_lora"} <= set(local), local
+    assert {"tiny", "tiny_lora", "tiny_qlora", "smollm2", "smollm2_lora", "smollm2_dpo"} <= set(local), local
     for name in local:
-        require_weights(load_recipe(name))
+        r = load_recipe(name)
+        if (up := upstream_to_train(r)) is None:
+            require_weights(r)
+            continue
+        with pytest.raises(UserError, match=f"recipe {up}'s published model. Run `make data finetune RECIPE={up}`"):
+            require_weights(r)
 
 
 def test_local_folders_need_config_and_weights(hf_home, tmp_path, tiny_model_dir):

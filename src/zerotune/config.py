@@ -50,7 +50,7 @@ class ModelCfg:
 
 # One table of data formats: data/formats.py
 FormatName = Literal[tuple(FORMATS)]
-_MESSAGE_FORMATS = " or ".join(f.name for f in FORMATS.values() if f.message_keys)  # rows that hold a message list
+_MESSAGE_FORMATS = ", ".join(f.name for f in FORMATS.values() if f.message_keys)  # rows that hold a message list
 
 
 @dataclass
@@ -338,7 +338,7 @@ def _build_source(raw: Any, where: str) -> SourceCfg:
                               f"fields {list(names)} to your column name.{_suggest(str(key), names)}")
     if src.roles and (not fmt.message_keys
                       or not all(isinstance(k, str) and v in ROLE_TARGETS for k, v in src.roles.items())):
-        raise RecipeError(f"{where}.roles: {src.roles!r}: for format {_MESSAGE_FORMATS} only, each of your role "
+        raise RecipeError(f"{where}.roles: {src.roles!r}: for formats {_MESSAGE_FORMATS} only, each of your role "
                           f"names mapped to one of {list(ROLE_TARGETS)}, e.g. {{bot: assistant}}.")
     if src.tools is not None:
         if not fmt.chat:
