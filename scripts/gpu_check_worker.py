@@ -615,7 +615,7 @@ def check_zero3(spec: dict) -> dict:
                 + (f", loss scale {float(eng.optimizer.cur_scale):g}" if eng.fp16_enabled() else "")), dict(
                 allocated=peaks[0], reserved=peaks[1], seconds=micro)  # the peaks since the engine exists
 
-        def validation():
+        def validation_phase():  # not `validation`: the module of that name is used above
             loss, count = validate()
             info["val_loss"] = loss
             return [] if math.isfinite(loss) and count else ["no finite loss"], (
@@ -668,7 +668,7 @@ def check_zero3(spec: dict) -> dict:
                               f"({', '.join(saved)}); validation loss {loss:.4f}; peak and time include the engine's "
                               "initialisation"), {}
 
-        steps = {"train": train, "validation": validation, "samples": samples, "save": save, "resume": resumed}
+        steps = {"train": train, "validation": validation_phase, "samples": samples, "save": save, "resume": resumed}
         rows = []
         for i, phase in enumerate(["resume"] if resuming else spec["phases"]):
             name, m = f"{tag}: {phase}", Measure()
