@@ -32,6 +32,7 @@ def _event_settings() -> list[str]:
             f"train.eval_steps={t.eval_steps}"]
 
 
+@pytest.mark.extended  # 3.5 min; CI: the requeue through sbatch and the last-step decision's units (docs/testing.md)
 def test_the_last_step_is_committed_before_its_validation_and_the_requeued_job_finishes(tmp_path):
     out = tmp_path / "run"
     zt("data", "tiny", f"output_dir={out}")

@@ -80,6 +80,7 @@ def test_sigusr1_checkpoints_and_resume_matches_uninterrupted_run(reference, tmp
     assert_matches_reference(reference, run)
 
 
+@pytest.mark.extended  # 3 min; CI: a truncated checkpoint falls back, nothing non-finite commits (same file)
 def test_kill9_then_full_disk_then_resume_matches_uninterrupted_run(reference, tmp_path):
     run = fresh(reference, tmp_path / "run")
     proc = start_train(run, tmp_path / "killed.log", *COMMON)
@@ -180,6 +181,7 @@ def _gather(step_dir: Path) -> dict[str, dict]:
     return out
 
 
+@pytest.mark.extended  # 2.5 min; CI: DPO's 1 -> 2 processes through the same conversion (test_preference.py)
 def test_resume_on_one_then_two_processes_matches_uninterrupted_run(reference, tmp_path):
     """2 ranks -> 1 -> 2 through the CLI: the reference's checkpoint-8 (2 ranks) is resumed on 1 process, which a
     passed deadline stops after step 9 with checkpoint-9 committed at world size 1; that is resumed on 2 processes

@@ -101,6 +101,7 @@ def micro1_ga4(tmp_path_factory):
     return _short_run(tmp_path_factory.mktemp("micro1"), "train.micro_batch_size=1")
 
 
+@pytest.mark.extended  # 3.3 min; CI: world 1 x GA 2 == world 2 x GA 1 under ZeRO-3 (test_preference.py)
 def test_grad_accumulation_equivalence_under_zero3(micro1_ga4, tmp_path):
     """micro 1 x GA 4 == micro 4 x GA 1 on 2 ranks: same loss and grad norm at every step (transformers #34191,
     #45305: token-weighted normalisation over the whole global batch, not per micro-batch)."""
