@@ -21,12 +21,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
 
 from zerotune.quiet import silence_known_noise
+
+# The preflight's stdout is one line finetune.sbatch reads (processes per node, device, run folder). Everything else
+# goes to stderr, the job's log, from the first import on: a library may print while importing (transformers prints
+# "[INFO] Running in WANDB offline mode" under WANDB_MODE=offline, integrations/integration_utils.py:40-41, which
+# would become the process count).
+RESULT = sys.stdout
+if sys.argv[1:2] == ["preflight"]:
+    RESULT = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
 
 # as every zerotune process does (cli.main), before the imports below load the libraries that log it
 silence_known_noise()
@@ -75,17 +83,16 @@ def _preflight(recipe: str, overrides: list[str]) -> int:
         procs = gpus or r.train.cpu_procs
         # the allocation, not the recipe's plan: section, is what the plan and its checks must describe
         r = load_recipe(recipe, [*overrides, f"plan.nodes={nodes}", f"plan.gpus_per_node={procs}"])
-        with contextlib.redirect_stdout(sys.stderr):  # stdout is the script's one line
-            plan = compute_plan(r)  # once: printed here, then every check of before_launch reads it
-            print(format_plan(plan), flush=True)
-            before_launch(r, nodes * procs, plan=plan, convert_by=convert_by)
+        plan = compute_plan(r)  # once: printed here, then every check of before_launch reads it
+        print(format_plan(plan), flush=True)
+        before_launch(r, nodes * procs, plan=plan, convert_by=convert_by)
     except UserError as e:
         return report(e)
     except interrupt.Stopped as e:
         return stopped_in_preflight(r.out, e.signal, e.detail)
     if interrupt.asked():
         return stopped_in_preflight(r.out, interrupt.asked(), "before the launch")
-    print(procs, "GPU" if gpus else "CPU", r.out)
+    print(procs, "GPU" if gpus else "CPU", r.out, file=RESULT, flush=True)
     return 0
 
 

@@ -233,3 +233,21 @@ def test_the_last_step_reserves_the_end_of_trainings_validation_and_samples(monk
     stop.end_estimate = lambda: None
     _step_end(stop, 5, 5)
     assert stop.stopped_at == 5 and "~1,700 s assumed: one step" in capsys.readouterr().out
+
+
+@pytest.mark.integration
+def test_the_preflight_prints_only_its_line_on_stdout(tmp_path):
+    """finetune.sbatch reads the preflight's stdout as `NPROC DEVICE RUN_DIR`: a library that prints while importing
+    (transformers under WANDB_MODE=offline, which CI sets) must land in the job's log, not in that line (a CI run
+    of 2026-11-27 read NPROC=[INFO] and the job died before training)."""
+    import sys
+
+    from conftest import _zt
+
+    _zt("data", "tiny", f"output_dir={tmp_path}")
+    env = {**os.environ, "WANDB_MODE": "offline", "SLURM_JOB_ID": "7", "SLURM_NNODES": "2"}
+    proc = subprocess.run([sys.executable, "slurm/job.py", "preflight", "tiny", f"output_dir={tmp_path}"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [f"2 CPU {tmp_path}"], proc.stdout
+    assert "[INFO] Running in WANDB offline mode" in proc.stderr
