@@ -39,6 +39,18 @@ def test_progress_after_resume_counts_from_the_checkpoint():
     assert [x.split("(")[1].split(" ")[0] for x in out.getvalue().splitlines()] == ["14/20", "16/20", "18/20", "20/20"]
 
 
+def test_progress_of_other_long_work_says_what_it_counts():
+    """DPO's reference pass (preference/reference.py) reports through the same ten lines, counting forwards."""
+    out = io.StringIO()
+    p = Progress(total=100, done=0, tokens_per_step=None, stream=out, label="finetune: reference log-probs",
+                 unit="forward")
+    for k in range(1, 101):
+        p.update(k)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 10 and lines[4].startswith("finetune: reference log-probs:  50% (50/100 forwards), ")
+    assert "tok/s" not in out.getvalue() and "left" in lines[4]
+
+
 def test_progress_on_a_terminal_is_one_live_bar():
     out = Tty()
     p = Progress(total=50, done=0, tokens_per_step=1024, stream=out)

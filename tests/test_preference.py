@@ -5,6 +5,8 @@ equals the uninterrupted run, the reference log-probs are computed once and reus
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -222,6 +224,48 @@ def test_fused_dpo_loss_equals_the_dpo_formula_and_its_gradients(loss_type):
     assert model(input_ids=ids).logits.shape == (4, 12, 512)
 
 
+def test_fp16_gradients_stay_finite_when_d_loss_d_logp_is_large(monkeypatch):
+    """sppo_hard's d loss / d logp is ~1 / beta: at beta 0.005 a fixed x1024 scale of the logits' gradient passes fp16's
+    65,504 in forward, whatever DeepSpeed's loss scale. The scale follows the largest |d loss / d logp| instead: the
+    fp16 gradients equal the fp32 ones computed the same way; with the fixed scale they are not finite."""
+    import torch
+
+    from zerotune.preference import loss as pl
+
+    assert pl._grad_scale(0.05) == 1024.0 and pl._grad_scale(400.0) * 400.0 <= 16384.0
+    assert pl._grad_scale(float("nan")) == 1024.0
+    torch.manual_seed(0)
+    h, w = torch.randn(6, 16), torch.randn(64, 16)
+    targets, rows = torch.randint(0, 64, (6,)), torch.tensor([0, 0, 1, 2, 3, 3])
+    ref = torch.tensor([-9.0, -8.0, -9.5, -7.5])
+
+    def grads(dtype):
+        hh, ww = h.to(dtype).detach().requires_grad_(), w.to(dtype).detach().requires_grad_()
+        loss, _, _ = pl.FusedPairLoss.apply(hh, ww, targets, rows, ref, pl.dpo_loss_fn(0.005, "sppo_hard"), 4, None)
+        loss.backward()
+        return hh.grad.float(), ww.grad.float()
+
+    want = grads(torch.float32)
+    for g16, g32 in zip(grads(torch.float16), want):
+        assert torch.isfinite(g16).all()
+        assert torch.allclose(g16, g32, rtol=2e-2, atol=2e-2 * float(g32.abs().max()))
+    monkeypatch.setattr(pl, "_grad_scale", lambda g_max: pl.GRAD_SCALE)  # the fixed scale this replaced
+    assert not all(torch.isfinite(g).all() for g in grads(torch.float16))
+
+
+def test_the_attached_forward_shows_generate_the_models_own_parameters():
+    """generate() reads the forward's signature (logits_to_keep, position ids from a left-padded mask)."""
+    import inspect
+
+    from zerotune.preference.loss import attach, dpo_loss_fn
+
+    model = _tiny_model()
+    own = set(inspect.signature(model.forward).parameters)
+    attach(model, dpo_loss_fn(0.1, "sigmoid"), chunk=3)
+    seen = set(inspect.signature(model.forward).parameters)
+    assert own <= seen and {"pair_logps", "ref_logps", "logits_to_keep"} <= seen
+
+
 def test_a_micro_batch_puts_chosen_before_rejected_and_finds_their_reference():
     import torch
 
@@ -243,6 +287,53 @@ def test_a_micro_batch_puts_chosen_before_rejected_and_finds_their_reference():
 
 
 # ---- the 8B plan -------------------------------------------------------------------------------------------------
+
+def test_a_signal_during_the_reference_pass_stops_it_and_a_job_without_time_for_it_is_refused(tmp_path):
+    """Issue 42 review: the reference pass runs before the first step, where the Trainer's step-boundary stop never
+    looks. A SIGUSR1 during it stops it after the current forward (the job requeues, exit 75, instead of being killed
+    inside it); and a job whose time before the warning cannot hold the planned pass (7 h on one 8xV100 node at 8B)
+    is refused before launch, since a requeued attempt would stop in the same place again."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from zerotune.config import load_recipe
+    from zerotune.errors import UserError
+    from zerotune.planner.compute import compute_plan
+    from zerotune.preference.reference import pair_logps
+    from zerotune.train.callbacks import StopBeforeTraining
+    from zerotune.train.launch import _refuse_reference_pass_without_time
+
+    calls = []
+
+    def model(**kw):
+        calls.append(1)
+        return {"logps": torch.zeros(kw["input_ids"].shape[0])}
+
+    def collate(rows):
+        return {"input_ids": torch.zeros(2 * len(rows), 3, dtype=torch.long)}
+
+    stop = SimpleNamespace(requested=None)
+    assert pair_logps(model, list(range(6)), collate, 2, "cpu", stop=stop).shape == (6, 2) and len(calls) == 3
+    stop.requested, calls[:] = "SIGUSR1", []
+    with pytest.raises(StopBeforeTraining, match="SIGUSR1 received during the reference log-prob pass \\(1 of 3"):
+        pair_logps(model, list(range(6)), collate, 2, "cpu", stop=stop)
+    assert len(calls) == 1
+
+    r = load_recipe("llama8b_dpo_zero3", [f"output_dir={tmp_path}"])
+    plan = compute_plan(r)
+    ref = plan.phases["reference"]
+    assert ref["time"]["seconds"] is None  # the pairs are counted by `make data` (UltraFeedback is not here)
+    # what the plan gives once they are: UltraFeedback's 61,135 training pairs (docs/training.md)
+    seconds = ref["time"]["per_row_s"] * 2 * 61_135 / plan.cluster["world_size"]
+    plan = dataclasses.replace(plan, phases={**plan.phases, "reference": {**ref, "time": {**ref["time"], "seconds": seconds}}})
+    assert seconds > 3600
+    with pytest.raises(UserError, match="--time at least"):
+        _refuse_reference_pass_without_time(r, plan, time.time() + seconds / 2)
+    _refuse_reference_pass_without_time(r, plan, time.time() + 2 * seconds)  # room: launched
+    _refuse_reference_pass_without_time(r, plan, None)  # no known limit: launched
+
 
 def test_the_8b_dpo_recipe_fits_every_phase_of_a_v100_and_plans_the_reference_pass():
     from zerotune.config import load_recipe

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -84,3 +85,53 @@ def test_the_last_step_is_committed_before_its_validation_and_the_requeued_job_f
     assert [r["step"] for r in rows] == [1, 2, 3] and "val_loss" in rows[-1]
     samples = [json.loads(x) for x in (out / "train" / "samples.jsonl").read_text().splitlines()]
     assert [x["step"] for x in samples] == [3] * len(samples) and samples
+
+
+@pytest.mark.extended  # ~5 min; CI: the last-step decision's units in test_slurm.py (docs/testing.md)
+def test_a_deadline_with_room_for_two_saves_but_not_the_samples_requeues_before_the_kill(tmp_path):
+    """Issue 41: at 8B across nodes the end of training's samples take minutes, and a job killed inside them is not
+    requeued. Real ZeRO-3 on 2 CPU ranks, the samples made slow (200 s, faults.py), a validation at step 1 that
+    measures them, and a deadline that leaves the last step room for two saves but not for the samples: the job
+    commits step 2 and exits REQUEUE_EXIT before the deadline, when a stand-in for SLURM kills it; the requeued job
+    validates and finalizes. (Reserving only the two saves, it would go into the samples and be killed.)"""
+    import signal
+    import threading
+    import time
+
+    from zerotune.stopping import REQUEUE_EXIT, seconds_needed
+
+    out, log = tmp_path / "run", tmp_path / "finetune.log"
+    zt("data", "tiny", f"output_dir={out}")
+    args = ["finetune", "tiny", f"output_dir={out}", "train.max_steps=2", "train.logging_steps=1",
+            "train.save_steps=1", "train.eval_steps=1"]
+    slow_s, after_step_2 = 200, 130  # the deadline ~130 s after step 2: two saves need ~65 s, the samples ~220 s more
+    launched = time.time()
+    # launch to step 1 takes ~30-60 s here: the deadline tolerates +-60 s of that (the asserts below check it held)
+    deadline = launched + 45 + slow_s + after_step_2
+    env = {**os.environ, "ZEROTUNE_DEADLINE": str(deadline), "ZEROTUNE_FAULT_SLOW_SAMPLES": str(slow_s)}
+    with open(log, "w+") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "zerotune", *args], cwd=REPO, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        killer = threading.Timer(deadline - time.time(), lambda: os.killpg(proc.pid, signal.SIGKILL))
+        killer.start()  # SLURM at the time limit (its SIGTERM's grace is spent on the margin here)
+        try:
+            proc.wait(timeout=deadline - time.time() + 60)
+        finally:
+            killer.cancel()
+    text = log.read_text()
+    assert proc.returncode == REQUEUE_EXIT, f"exit {proc.returncode} (-9: killed at the deadline)\n{text[-3000:]}"
+    assert time.time() < deadline
+    m = re.search(r"the job ends in ([\d,]+) s and the end of training needs ~([\d,]+) s \(validation and samples "
+                  r"~([\d,]+) s measured", text)
+    assert m, text[-3000:]
+    left, need, end_s = (float(g.replace(",", "")) for g in m.groups())
+    assert end_s >= slow_s and need > left, "the measured samples were not reserved"
+    markers = (out / "checkpoints").glob("*/zerotune_commit.json")
+    save_s = max(json.loads(m.read_text()).get("save_s") or 0.0 for m in markers)
+    assert seconds_needed(0, 2 * save_s) < left, "the premise: room for two saves (the machine was too slow)"
+    assert (out / "checkpoints" / "checkpoint-2" / "zerotune_commit.json").exists() and not (out / "model").exists()
+
+    log2 = _zt(*args)  # the requeued job, its samples as fast as they are
+    assert "resumed at the last step (2 of 2): nothing left to train" in log2, log2[-3000:]
+    assert "finetune: eval: step 2" in log2 and (out / "model" / "config.json").exists()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]

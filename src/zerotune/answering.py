@@ -153,7 +153,10 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
 
 def _identity(path: Path) -> str:
     """Which weights these are, cheaply: name, size and mtime of the weight files (a retrained or requantized
-    model changes them)."""
+    model changes them). A hub id is read in its cached snapshot (a new revision changes them too)."""
+    from .hub import local_folder
+
+    path = path if path.exists() else Path(local_folder(str(path)))
     files = [path] if path.is_file() else sorted([*path.glob("*.safetensors"), path / "config.json"])
     return json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()])
 

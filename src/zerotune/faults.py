@@ -15,6 +15,8 @@ Enabled only by environment variables that the tests set; inert otherwise.
   conversion and before it is checked and published: the original must be intact and the next attempt resume.
 - ZEROTUNE_FAULT_SLOW_CONVERSION=S: at the same point the conversion waits S seconds, as an 8B one takes ~27 min,
   so that a test can send the time-limit warning (USR1) while it converts: it must stop at once, clean.
+- ZEROTUNE_FAULT_SLOW_SAMPLES=S: every in-training validation's samples take S seconds more, as 8B generation
+  across nodes takes minutes: the deadline must reserve them at the last step (train/callbacks.py StopOnSignal).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ENV_EVAL_OOM = "ZEROTUNE_FAULT_EVAL_OOM_STEP"
 ENV_KILL_CONVERTING = "ZEROTUNE_FAULT_KILL_WHILE_CONVERTING"
 ENV_NO_ROOM_TO_GATHER = "ZEROTUNE_FAULT_NO_ROOM_TO_GATHER"
 ENV_SLOW_CONVERSION = "ZEROTUNE_FAULT_SLOW_CONVERSION"
+ENV_SLOW_SAMPLES = "ZEROTUNE_FAULT_SLOW_SAMPLES"
 
 
 def no_room_to_gather() -> bool:
@@ -59,6 +62,15 @@ def slow_conversion() -> None:
         import time
 
         print(f"faults: {ENV_SLOW_CONVERSION}={seconds}: the conversion waits {seconds} s", flush=True)
+        time.sleep(float(seconds))
+
+
+def slow_samples() -> None:
+    """Called by the in-training validation after its samples, on every rank."""
+    seconds = os.environ.get(ENV_SLOW_SAMPLES)
+    if seconds:
+        import time
+
         time.sleep(float(seconds))
 
 

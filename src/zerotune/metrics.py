@@ -36,28 +36,31 @@ class Progress:
     """Optimizer steps done, tokens/s and time left, on rank 0: a live bar on a terminal; in a log file (not a
     TTY) one line per tenth of the run, so a log of thousands of steps gains ten lines, not thousands."""
 
-    def __init__(self, total: int, done: int, tokens_per_step: int, stream=None):
+    def __init__(self, total: int, done: int, tokens_per_step: int | None, stream=None, label: str = "finetune",
+                 unit: str = "step"):
         self.stream = stream or sys.stderr
         self.total, self.start, self.tokens_per_step = total, done, tokens_per_step
+        self.label, self.unit = label, unit
         self.t0 = time.perf_counter()
         self.marks = sorted({math.ceil(total * k / 10) for k in range(1, 11)})
         self.bar = None
         if self.stream.isatty():
             from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=done, desc="finetune", unit="step", file=self.stream,
+            self.bar = tqdm(total=total, initial=done, desc=label, unit=unit, file=self.stream,
                             dynamic_ncols=True, mininterval=1)
 
     def update(self, step: int) -> None:
         elapsed = time.perf_counter() - self.t0
         rate = (step - self.start) / elapsed if elapsed > 0 else 0.0  # this attempt's steps per second
+        speed = f"{rate * self.tokens_per_step:,.0f} tok/s" if self.tokens_per_step else ""
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{rate * self.tokens_per_step:,.0f} tok/s", refresh=False)
+            self.bar.set_postfix_str(speed, refresh=False) if speed else None
             self.bar.update(step - self.bar.n)
             return
         if step not in self.marks:
             return
         eta = (self.total - step) / rate if rate > 0 else float("nan")
-        print(f"finetune: {step / self.total:4.0%} ({step}/{self.total} steps), {rate * self.tokens_per_step:,.0f} tok/s, "
+        print(f"{self.label}: {step / self.total:4.0%} ({step}/{self.total} {self.unit}s), {speed + ', ' if speed else ''}"
               f"{_hms(elapsed)} elapsed, {_hms(eta)} left", file=self.stream, flush=True)
 
     def write(self, line: str) -> None:

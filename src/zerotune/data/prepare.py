@@ -471,7 +471,8 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
     print(f"data: {c['rows_in']} rows -> {c['docs_out']} {docs} ({c['bad_skipped']} bad skipped, "
           f"{c['truncated']} truncated, {c['dropped_overlong']} dropped as over-long, {c['dropped_no_labels']} dropped "
           f"with no label tokens left) -> {tr['rows']} train / {ev['rows']} eval {rows} of <= {r.data.seq_len} "
-          f"tokens; {label_tokens:,} label tokens; packing efficiency {manifest['packing']['efficiency']}; wrote {out}")
+          f"tokens; {label_tokens:,} label tokens; " + (f"packing efficiency {manifest['packing']['efficiency']}; "
+          if r.data.packing else "not packed; ") + f"wrote {out}")
     return manifest
 
 

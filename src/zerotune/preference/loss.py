@@ -33,10 +33,12 @@ from __future__ import annotations
 import torch
 
 IGNORE = -100
-# 16-bit models: the logits' gradient (at most |d loss / d logp| per element, ~beta / pairs) is scaled by this before its
-# 16-bit matmul with lm_head's weight and unscaled after, so its small entries do not flush to zero (fp16 keeps
-# magnitudes down to 6e-8); the products stay far below fp16's 65,504.
+# 16-bit models: the logits' gradient (at most |d loss / d logp| per element, ~beta / pairs for sigmoid) is scaled up to
+# this before its 16-bit matmul with lm_head's weight and unscaled after, so its small entries do not flush to zero
+# (fp16 keeps magnitudes down to 6e-8). Less where the largest |d loss / d logp| would take an entry past FP16_ROOM:
+# sppo_hard's is ~1 / beta, discopop's exp term grows with a negative margin (liger_kernel dpo_loss.py:117-144).
 GRAD_SCALE = 1024.0
+FP16_ROOM = 16384.0  # a quarter of fp16's 65,504: headroom for the matmul's sums
 
 
 def label_positions(labels):
@@ -76,7 +78,7 @@ class FusedPairLoss(torch.autograd.Function):
             (g,) = torch.autograd.grad(loss, x)  # d loss / d log p(row): the weight of each row's tokens
         grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if h.requires_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if weight.requires_grad else None
-        scale = 1.0 if weight.dtype == torch.float32 else GRAD_SCALE
+        scale = 1.0 if weight.dtype == torch.float32 else _grad_scale(float(g.abs().max()))
         for s in range(0, len(targets), chunk):
             h_c, t = h[s:s + chunk], targets[s:s + chunk]
             gr = g[rows[s:s + chunk]]
@@ -92,16 +94,28 @@ class FusedPairLoss(torch.autograd.Function):
                 grad_w.addmm_(gz.t(), h_c.float())
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
+        rewards = rewards.detach()
         ctx.mark_non_differentiable(logps, rewards)
-        return loss.detach(), logps, rewards.detach()
+        return loss.detach(), logps, rewards
 
     @staticmethod
     def backward(ctx, g_loss, _logps, _rewards):
+        # in place: a second fp32 copy of lm_head's gradient (2.1 GB at 8B) would sit beside the saved one while
+        # ZeRO-3 gathers the head for the body's backward. Backward runs once per forward (no retain_graph).
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        out_h = None if grad_h is None else (grad_h * g_loss).to(h_dtype)
-        out_w = None if grad_w is None else (grad_w * g_loss).to(w_dtype)
+        out_h = None if grad_h is None else grad_h.mul_(g_loss).to(h_dtype)
+        out_w = None if grad_w is None else grad_w.mul_(g_loss).to(w_dtype)
         return out_h, out_w, None, None, None, None, None, None
+
+
+def _grad_scale(g_max: float) -> float:
+    """The power of two (at most GRAD_SCALE) that keeps g_max x scale within FP16_ROOM."""
+    import math
+
+    if not g_max > 0 or not math.isfinite(g_max):
+        return GRAD_SCALE
+    return min(GRAD_SCALE, 2.0 ** math.floor(math.log2(FP16_ROOM / g_max)))
 
 
 def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float = 0.0):
@@ -140,11 +154,23 @@ def attach(model, loss_fn, chunk: int) -> None:
     """model(..., pair_logps=True) returns the completions' log-probs, model(..., ref_logps=...) DPO's loss; every other
     call (generation, validation of SFT rows, the save's probe) goes to the model's own forward. On the instance, not
     the class: the Trainer's DeepSpeed engine calls the module, so this runs inside its forward and its hooks."""
+    import functools
+    import inspect
+
     own = model.forward
 
+    @functools.wraps(own)
     def forward(*args, pair_logps: bool = False, ref_logps=None, **kw):
         if not pair_logps and ref_logps is None:
             return own(*args, **kw)
         return pair_forward(model, kw["input_ids"], kw.get("attention_mask"), kw["labels"], ref_logps, loss_fn, chunk)
 
+    # generate() reads the forward's signature (transformers generation/utils.py: logits_to_keep, position ids from
+    # the mask for left-padded prompts): it must see the model's own parameters, with the two added
+    sig = inspect.signature(own)
+    params = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
+    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d) for n, d in (("pair_logps", False),
+                                                                                           ("ref_logps", None))]
+    var_kw = [p for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD]
+    forward.__signature__ = sig.replace(parameters=params + extra + var_kw)
     model.forward = forward

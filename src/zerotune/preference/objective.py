@@ -69,7 +69,8 @@ class Objective:
     def trainer_class(self):
         return PreferenceTrainer
 
-    def callbacks(self, run) -> list:
+    def callbacks(self, run, stop=None) -> list:
+        """stop: the run's StopOnSignal; a signal during the reference pass stops it (reference.py)."""
         from datasets import load_from_disk
 
         from .reference import ReferencePass, cache_key
@@ -79,7 +80,7 @@ class Objective:
             datasets["eval"] = load_from_disk(str(run.paths.data_eval))
         key = cache_key(run.data_manifest["fingerprint"], run.paths.base, run.choice)
         return [ReferencePass(self, run.paths.reference, key, run.paths.checkpoints, datasets,
-                              self.r.train.micro_batch_size)]
+                              self.r.train.micro_batch_size, stop)]
 
     # -- metrics --------------------------------------------------------------------------------------------
     def record(self, logps, rewards) -> None:

@@ -41,10 +41,15 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def pair_logps(model, ds, collate, micro: int, device) -> "torch.Tensor":  # noqa: F821
+def pair_logps(model, ds, collate, micro: int, device, label: str | None = None, stop=None) -> "torch.Tensor":  # noqa: F821
     """(len(ds), 2) float64: each pair's (chosen, rejected) log-probability of its completion under `model`, computed
-    across all ranks (module docstring). The caller puts the model in eval mode under torch.no_grad()."""
+    across all ranks (module docstring). The caller puts the model in eval mode under torch.no_grad(). label: rank 0
+    shows progress under it (at 8B on one node the pass takes hours). stop: the run's StopOnSignal: a signal on any
+    rank (agreed over ranks after every forward) raises StopBeforeTraining, so the job requeues instead of being
+    killed inside the pass (the next attempt computes it again: the launcher refuses a job whose time cannot hold it)."""
     import torch
+
+    from ..metrics import Progress
 
     d = _dist()
     rank, world = (d.get_rank(), d.get_world_size()) if d else (0, 1)
@@ -53,6 +58,7 @@ def pair_logps(model, ds, collate, micro: int, device) -> "torch.Tensor":  # noq
     batches = [list(range(s, min(n, s + micro))) for s in range(0, n, micro)]
     mine = batches[rank::world]
     calls = math.ceil(len(batches) / world)
+    progress = Progress(calls, 0, None, label=label, unit="forward") if label and rank == 0 else None
     for k in range(calls):
         idx = mine[k] if k < len(mine) else batches[0]  # a repeat keeps this rank in the collectives; dropped
         batch = collate([ds[i] for i in idx])
@@ -62,11 +68,29 @@ def pair_logps(model, ds, collate, micro: int, device) -> "torch.Tensor":  # noq
             m = len(idx)
             table[idx, 0] = out[:m].double().cpu()
             table[idx, 1] = out[m:].double().cpu()
+        progress.update(k + 1) if progress else None
+        if stop is not None and _any_rank(stop.requested is not None, device):
+            from ..train.callbacks import StopBeforeTraining
+
+            raise StopBeforeTraining(f"{stop.requested or 'a signal on another rank'} received during the reference "
+                                     f"log-prob pass ({k + 1} of {calls} forwards)")
+    if progress:
+        progress.close()
     if d:
         table = table.to(device)
         d.all_reduce(table)
         table = table.cpu()
     return table
+
+
+def _any_rank(flag: bool, device) -> bool:
+    import torch
+
+    d = _dist()
+    t = torch.tensor(1.0 if flag else 0.0, device=device if d else "cpu")
+    if d:
+        d.all_reduce(t, op=d.ReduceOp.MAX)
+    return bool(t.item() > 0)
 
 
 def cache_key(data_fingerprint: str, base: Path, choice) -> dict:
@@ -84,19 +108,22 @@ class ReferencePass(TrainerCallback):
     """Fills `objective.reference` ({"train": (n, 2), "eval": (n, 2)} log-probs) at the start of training: from the
     cache when it matches, else, on a fresh start, by one pass of the model (module docstring)."""
 
-    def __init__(self, objective, folder: Path, key: dict, checkpoints: Path, datasets: dict, micro: int):
+    def __init__(self, objective, folder: Path, key: dict, checkpoints: Path, datasets: dict, micro: int, stop=None):
         self.objective = objective
         self.folder = Path(folder)
         self.key = key
         self.checkpoints = checkpoints
         self.datasets = datasets  # split -> datasets.Dataset of pair rows
         self.micro = micro
+        self.stop = stop
 
     def on_train_begin(self, args, state, control, model=None, **kw):
         from ..checkpoint import last_committed
 
         say = print if state.is_world_process_zero else (lambda *a, **k: None)
         cached = self._read()
+        if _any_rank(cached is None, args.device):  # one decision for all ranks: a node-local copy may differ
+            cached = None
         if cached is not None:
             self.objective.reference = cached
             say(f"finetune: reference log-probs: cache hit ({self.folder / TABLE}, key {self.key['key']}); "
@@ -115,7 +142,8 @@ class ReferencePass(TrainerCallback):
         model.eval()
         try:
             with torch.no_grad():
-                table = {split: pair_logps(model, ds, self.objective.collate, self.micro, args.device)
+                table = {split: pair_logps(model, ds, self.objective.collate, self.micro, args.device,
+                                           label=f"finetune: reference log-probs ({split} pairs)", stop=self.stop)
                          for split, ds in self.datasets.items()}
         finally:
             model.train(was_training)

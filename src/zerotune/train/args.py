@@ -47,7 +47,7 @@ def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, 
         dataloader_num_workers=0,
         disable_tqdm=True,
         average_tokens_across_devices=True,
-        ddp_timeout=3600,
+        ddp_timeout=DDP_TIMEOUT_S,
     )
 
 
@@ -55,6 +55,12 @@ def length_grouped(r: Recipe) -> bool:
     """Unpacked SFT rows are batched by length (less padding). Preference pairs are drawn at random: a length-grouped
     epoch's order depends on grad-accum (universal.check), so a resume at another world size could not keep it."""
     return not r.data.packing and not r.pairs
+
+
+# Collectives wait this long for a rank that is still working alone (rank 0 writing what the others then read) before
+# failing the job; DeepSpeed's own default is 10 minutes (deepspeed/constants.py default_pg_timeout), and the process
+# group is made by deepspeed.init_distributed (worker.py), not the Trainer, so both are given this.
+DDP_TIMEOUT_S = 3600
 
 
 def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int,

@@ -78,11 +78,35 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
         disk_preflight(plan, r, r.out)
     if world is not None:
         universal.prepare(r, world, free_needed=plan.disk["needed_free_bytes"], convert_by=convert_by)
+    _refuse_reference_pass_without_time(r, plan, convert_by)
     materialise_base(r)
     write_resolved_recipe(layout(r).train, r)  # layout(r).run_recipe: what the workers and finalize read
     mf.write(layout(r).run_plan, plan.to_json())  # the phase times the workers' deadline reserves (stopping.py)
     layout(r).stopped.unlink(missing_ok=True)  # how the workers end is read after they do: only theirs may be there
     errors.clear_handoffs(layout(r).train)
+
+
+def _refuse_reference_pass_without_time(r: Recipe, plan, convert_by: float | None) -> None:
+    """A DPO run's first attempt computes the reference log-probs before its first step (preference/reference.py):
+    one pass that a time-limit warning stops with nothing kept, so a job whose time before the warning cannot hold
+    the planned pass would requeue into the same stop forever. Refused up front, as a conversion is (universal.py)."""
+    import time
+
+    from ..checkpoint import last_committed
+    from ..stopping import seconds_needed
+
+    seconds = ((plan.phases.get("reference") or {}).get("time") or {}).get("seconds")
+    if (convert_by is None or not r.pairs or seconds is None or last_committed(layout(r).checkpoints, quiet=True)
+            or (layout(r).reference / "manifest.json").exists()):
+        return
+    need, left = seconds_needed(seconds, 0), convert_by - time.time()
+    if need > left:
+        raise errors.UserError(
+            f"{r.name}: the reference log-prob pass before DPO's first step is planned at {seconds / 3600:.1f} h "
+            f"({need / 3600:.1f} h with the margin; `zerotune plan {r.name}`, phase reference), but this job has "
+            f"{max(left, 0) / 3600:.1f} h before its time-limit warning, which would stop the pass with nothing kept: "
+            f"not started. Resubmit with a --time at least {(need - left) / 3600 + 0.1:.1f} h longer, or on more nodes "
+            f"(the pass divides over every GPU); the table is cached for every later job.")
 
 
 def launch(r: Recipe, skip_preflight: bool = False) -> int:

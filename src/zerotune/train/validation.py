@@ -206,6 +206,7 @@ class EvalDuringTraining(TrainerCallback):
                 faults.eval_out_of_memory(step)
                 row = self._val_loss(model, args.device)
                 samples = self._samples(model, args.device, step)
+                faults.slow_samples()
         except Exception as e:  # the step is committed; a resumed job must not retry a validation that fails
             if state.is_world_process_zero:
                 mf.write(self.failed_path, {"step": step, "error": f"{type(e).__name__}: {str(e)[:200]}"})

@@ -13,6 +13,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from .. import batch as batchmod
@@ -22,7 +23,7 @@ from ..config import Recipe
 from ..data.cache import load_tokenizer, require_prepared
 from ..layout import RunLayout, layout
 from ..verify import model_dtype, probe_inputs
-from .args import collate_packed, make_collate_padded, total_steps, training_arguments
+from .args import DDP_TIMEOUT_S, collate_packed, make_collate_padded, total_steps, training_arguments
 from .handoff import Probe, RunRecord, Stopped
 
 _DIST_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
@@ -131,7 +132,8 @@ def setup(r: Recipe) -> Run:
         # does not set up under use_cpu=True: without this it sees world 1 and rejects the batch config.
         import deepspeed
         with quiet.drop_stdout_lines("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"):
-            deepspeed.init_distributed(dist_backend="gloo" if gpu.capability is None else "nccl")
+            deepspeed.init_distributed(dist_backend="gloo" if gpu.capability is None else "nccl",
+                                       timeout=timedelta(seconds=DDP_TIMEOUT_S))
         # accelerate's plugin says GA 1 under DeepSpeed and takes the config's: harmless when that is ours
         quiet.drop_log("accelerate.accelerator", f"GradientAccumulationPlugin has 1, DeepSpeed config has {bp.grad_accum}.")
     sft_collate = collate_packed if r.data.packing else make_collate_padded(data_manifest["pad_token_id"])
@@ -231,7 +233,7 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     trainer = trainer_class(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
                             # safety before metrics: a step or loss that stops the run is judged before it is logged;
                             # validation after CommitCheckpoints: a step is committed before it is validated
-                            callbacks=[EndAtLastStep(), *(objective.callbacks(run) if objective else ()), safety,
+                            callbacks=[EndAtLastStep(), *(objective.callbacks(run, stop) if objective else ()), safety,
                                        metrics, stop, commit,
                                        evaluation := EvalDuringTraining(r, metrics, run.choice.liger, stop,
                                                                         measure=objective.validate if objective
