@@ -16,12 +16,10 @@ fine-tuned model must keep answering them (check enforces eval's max_drop on thi
 filtered by the base model's answers: SmolLM2-135M gets about three quarters right, and the number that matters
 is the difference. Numbers accept digits or words (a list of references: any match counts).
 
-Preference pairs (recipe smollm2_dpo, after the smollm2 SFT run): the same task, chosen = the correct record,
-rejected = a plausible wrong one, of the kinds a fine-tuned model gets wrong: a value swapped for a familiar one
-from the SFT data (a training city or job instead of the sentence's), the name cut to its first word, the age off,
-the job capitalised, prose after the JSON. Training pairs (pairs.jsonl) use a third set of names, cities, jobs and
-sentence shapes, disjoint from both the SFT training data and the held-out set; the held-out pairs
-(heldout_pairs.jsonl) are the 60 held-out prompts, each with one wrong record.
+Preference pairs (recipe smollm2_dpo) need the SFT model's answers: scripts/make_smollm2_dpo_pairs.py writes them
+after the smollm2 run, from the third vocabulary and sentence shapes below (D_*, disjoint from both the SFT training
+data and the held-out set) and, where the SFT model answers a held-out prompt right, one synthetic mistake
+(wrong_record).
 
 Run: python scripts/make_smollm2_data.py   (output is committed; rerunning is deterministic)
 """
@@ -143,12 +141,15 @@ def main() -> None:
     with open(out / "retention.jsonl", "w") as f:
         for q, a in RETENTION:
             f.write(json.dumps({"messages": [{"role": "user", "content": q}], "answer": a}) + "\n")
-
-    preference_pairs(out, heldout_rows=[json.loads(line) for line in open(out / "heldout.jsonl")])
+    # the third vocabulary stays disjoint from both (make_smollm2_dpo_pairs.py draws its prompts from it)
+    for d, used in ((D_FIRST, FIRST + H_FIRST), (D_LAST, LAST + H_LAST), (D_CITIES, CITIES + H_CITIES),
+                    (D_JOBS, JOBS + H_JOBS), (D_SHAPES, TRAIN_SHAPES + HELDOUT_SHAPES)):
+        assert not set(d) & set(used), set(d) & set(used)
 
 
 def wrong_record(rng, p: dict) -> str:
-    """A plausible wrong answer for person p: one mistake of the kinds a fine-tuned model makes."""
+    """A plausible wrong answer for person p, one synthetic mistake: a training city or job, the name cut, the age off,
+    the job capitalised, prose after the JSON."""
     q = dict(p)
     kind = rng.choice(["city", "job", "name", "age", "case", "prose"])
     if kind == "city":
@@ -163,22 +164,6 @@ def wrong_record(rng, p: dict) -> str:
         q["job"] = p["job"].capitalize()
     text = json.dumps(q)
     return text + " This JSON object lists the person's details." if kind == "prose" else text
-
-
-def preference_pairs(out: Path, heldout_rows: list) -> None:
-    for d, used in ((D_FIRST, FIRST + H_FIRST), (D_LAST, LAST + H_LAST), (D_CITIES, CITIES + H_CITIES),
-                    (D_JOBS, JOBS + H_JOBS), (D_SHAPES, TRAIN_SHAPES + HELDOUT_SHAPES)):
-        assert not set(d) & set(used), set(d) & set(used)
-    rng = random.Random(2)
-    with open(out / "pairs.jsonl", "w") as f:
-        for _ in range(800):
-            p = person(rng, D_FIRST, D_LAST, D_CITIES, D_JOBS)
-            prompt, answer = example(rng, p, D_SHAPES + TRAIN_SHAPES)
-            f.write(json.dumps({"prompt": prompt, "chosen": answer, "rejected": wrong_record(rng, p)}) + "\n")
-    with open(out / "heldout_pairs.jsonl", "w") as f:
-        for row in heldout_rows:
-            f.write(json.dumps({"prompt": row["messages"][-1]["content"], "chosen": row["answer"],
-                                "rejected": wrong_record(rng, json.loads(row["answer"]))}) + "\n")
 
 
 if __name__ == "__main__":
