@@ -84,13 +84,9 @@ def pair_logps(model, ds, collate, micro: int, device, label: str | None = None,
 
 
 def _any_rank(flag: bool, device) -> bool:
-    import torch
+    from ..train.callbacks import max_over_ranks
 
-    d = _dist()
-    t = torch.tensor(1.0 if flag else 0.0, device=device if d else "cpu")
-    if d:
-        d.all_reduce(t, op=d.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    return max_over_ranks(1.0 if flag else 0.0, device) > 0
 
 
 def cache_key(data_fingerprint: str, base: Path, choice) -> dict:

@@ -83,6 +83,18 @@ class EndAtLastStep(TrainerCallback):
             raise TrainingComplete(f"resumed at the last step ({state.global_step} of {state.max_steps})")
 
 
+def max_over_ranks(value: float, device) -> float:
+    """The largest `value` over every rank (this rank's alone outside a process group): how ranks agree on a stop."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(value)
+    if dist.is_available() and dist.is_initialized():
+        t = t.to(device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 class StopBeforeTraining(Exception):
     """A stop was requested before the first optimizer step of this attempt: there is nothing new to commit."""
 
@@ -131,14 +143,7 @@ class StopOnSignal(TrainerCallback):
 
     @staticmethod
     def _max_over_ranks(args, value: float) -> float:
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(value)
-        if dist.is_initialized():
-            t = t.to(args.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t.item())
+        return max_over_ranks(value, args.device)
 
     @classmethod
     def _all_ranks(cls, args, local: bool) -> bool:
