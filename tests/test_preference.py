@@ -145,7 +145,8 @@ def test_the_recipe_refuses_what_dpo_cannot_do(tmp_path, tokenizer_dir):
              ({"sources": pairs, "packing": True}, {}, "pairs are not packed"),
              ({"sources": pairs}, {"peft": {"method": "lora"}}, "not supported yet"),
              ({"sources": pairs}, {"preference": {"method": "dpo", "loss": "robust", "label_smoothing": 0.6}},
-              "robust takes [0, 0.5)")]
+              "robust takes [0, 0.5)"),
+             ({"sources": pairs}, {"preference": {"method": "dpo", "nll_alpha": -1}}, "nll_alpha at least 0")]
     for data, extra, says in cases:
         raw = {"name": "t", "model": {"init_config": "configs/models/tiny_llama31.json", "tokenizer": str(tokenizer_dir)},
                "data": {"packing": False, **data}, "preference": {"method": "dpo"}, **extra}
@@ -191,10 +192,11 @@ def _pair_batch():
     return ids, mask, labels
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge"])
-def test_fused_dpo_loss_equals_the_dpo_formula_and_its_gradients(loss_type):
+@pytest.mark.parametrize("loss_type,nll_alpha", [("sigmoid", 0.0), ("hinge", 0.0), ("sigmoid", 0.5)])
+def test_fused_dpo_loss_equals_the_dpo_formula_and_its_gradients(loss_type, nll_alpha):
     """The fused loss (chunks of 3 label tokens, gradients computed in forward) against DPO's formula written out
-    on the full logits, autograd's gradients of every parameter included."""
+    on the full logits, autograd's gradients of every parameter included; with nll_alpha, RPO's term: the chosen
+    completions' token NLL averaged over their tokens (Liger's alpha x chosen_nll_loss, TRL's rpo_alpha)."""
     import torch
     import torch.nn.functional as F
 
@@ -203,7 +205,7 @@ def test_fused_dpo_loss_equals_the_dpo_formula_and_its_gradients(loss_type):
     model, beta = _tiny_model(), 0.1
     ids, mask, labels = _pair_batch()
     ref = torch.tensor([-40.0, -41.0, -45.0, -39.0])
-    attach(model, dpo_loss_fn(beta, loss_type), chunk=3)
+    attach(model, dpo_loss_fn(beta, loss_type, nll_alpha=nll_alpha), chunk=3)
     out = model(input_ids=ids, attention_mask=mask, labels=labels, ref_logps=ref)
     out["loss"].backward()
     fused = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -214,6 +216,8 @@ def test_fused_dpo_loss_equals_the_dpo_formula_and_its_gradients(loss_type):
     logps = (logp.gather(-1, target.clamp(min=0)[..., None])[..., 0] * (target != -100)).sum(-1)
     z = beta * ((logps[:2] - ref[:2]) - (logps[2:] - ref[2:]))
     want = (-F.logsigmoid(z) if loss_type == "sigmoid" else torch.relu(1 - z)).mean()  # the DPO paper; hinge: SLiC
+    nll = F.nll_loss(logp[:2].reshape(-1, logp.shape[-1]), target[:2].reshape(-1), ignore_index=-100)  # token mean
+    want = want + nll_alpha * nll
     want.backward()
     assert out["loss"].item() == pytest.approx(want.item(), rel=1e-6)
     assert torch.allclose(out["logps"], logps.detach(), atol=1e-4)

@@ -141,6 +141,7 @@ class PreferenceCfg:
     beta: float = _f(0.1, "DPO's beta: how far the policy may move from the reference (the starting model); the reward of a completion is beta x (log pi - log pi_ref)")
     loss: Literal[PREFERENCE_LOSSES] = _f("sigmoid", "DPO loss variant (liger-kernel's formulas): " + ", ".join(PREFERENCE_LOSSES) + "; sigmoid = the DPO paper's -log sigmoid(beta x margin)")
     label_smoothing: float = _f(0.0, "loss robust: the assumed fraction of flipped preference labels, in [0, 0.5); exo_pair: its epsilon, > 0")
+    nll_alpha: float = _f(0.0, "Weight of the chosen completions' mean token NLL added to the DPO loss (RPO; TRL's rpo_alpha, Liger's alpha): keeps DPO from lowering the likelihood of what chosen and rejected share; 0 = plain DPO")
     chunk_tokens: int = _f(1024, "Completion tokens whose vocabulary-wide logits are alive at once in the fused DPO loss (memory: chunk x vocab x ~12 B)")
 
 
@@ -497,9 +498,10 @@ def _validate_preference(r: Recipe, where: str) -> None:
         if r.peft.method != "none":
             raise RecipeError(f"{where}: preference.method={p.method} with peft.method={r.peft.method} is not "
                               f"supported yet (tested: full fine-tuning); set peft.method: none.")
-        if p.beta <= 0 or p.chunk_tokens < 1:
-            raise RecipeError(f"{where}: preference.beta must be positive and preference.chunk_tokens at least 1 "
-                              f"(got beta {p.beta}, chunk_tokens {p.chunk_tokens}).")
+        if p.beta <= 0 or p.chunk_tokens < 1 or p.nll_alpha < 0:
+            raise RecipeError(f"{where}: preference.beta must be positive, preference.nll_alpha at least 0 and "
+                              f"preference.chunk_tokens at least 1 (got beta {p.beta}, nll_alpha {p.nll_alpha}, "
+                              f"chunk_tokens {p.chunk_tokens}).")
         smoothing_ok = {"robust": 0 <= p.label_smoothing < 0.5, "exo_pair": 0 < p.label_smoothing < 1}
         if not smoothing_ok.get(p.loss, p.label_smoothing == 0):
             raise RecipeError(f"{where}: preference.label_smoothing={p.label_smoothing} with preference.loss={p.loss}: "

@@ -72,9 +72,10 @@ class FusedPairLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, rows, ref, loss_fn, chunk: int, softcap):
         logps = sequence_logps(h, weight, targets, rows, ref.numel(), chunk, softcap)
+        tokens = torch.bincount(rows, minlength=ref.numel())
         with torch.enable_grad():
             x = logps.detach().requires_grad_()
-            loss, rewards = loss_fn(x, ref)
+            loss, rewards = loss_fn(x, ref, tokens)
             (g,) = torch.autograd.grad(loss, x)  # d loss / d log p(row): the weight of each row's tokens
         grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if h.requires_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if weight.requires_grad else None
@@ -118,17 +119,25 @@ def _grad_scale(g_max: float) -> float:
     return min(GRAD_SCALE, 2.0 ** math.floor(math.log2(FP16_ROOM / g_max)))
 
 
-def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float = 0.0):
-    """(per-row log-probs of the policy, of the reference) -> (loss, per-row rewards), rows = [chosen..., rejected...]:
-    liger-kernel's formula (module docstring)."""
+def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float = 0.0, nll_alpha: float = 0.0):
+    """(per-row log-probs of the policy, of the reference, per-row label-token counts) -> (loss, per-row rewards),
+    rows = [chosen..., rejected...]: liger-kernel's formula (module docstring).
+
+    nll_alpha > 0 adds the chosen completions' mean token NLL, as Liger's `alpha x chosen_nll_loss` (liger_kernel
+    0.8.5 fused_linear_preference.py:428-431, 466: the sum of the chosen tokens' -log p over their number in the batch)
+    and TRL's rpo_alpha (RPO, Pang et al. 2024). Why: chosen and rejected completions that differ in a few tokens share
+    the rest, and DPO alone can lower those shared tokens' likelihood too (measured on smollm2_dpo: answers dropped a
+    field). The term is linear in the per-row log-probs, so the fused gradient path carries it unchanged."""
     from liger_kernel.chunked_loss.dpo_loss import LigerFusedLinearDPOFunction
 
-    def fn(logps, ref):
+    def fn(logps, ref, tokens):
         m = logps.numel() // 2
         loss, chosen_rewards, rejected_rewards = LigerFusedLinearDPOFunction.preference_loss_fn(
             logps[:m], logps[m:], logps,  # full_target: only its length is read (n_pairs = len // 2)
             ref_chosen_logps=ref[:m], ref_rejected_logps=ref[m:], beta=beta, loss_type=loss_type,
             label_smoothing=label_smoothing)
+        if nll_alpha:
+            loss = loss + nll_alpha * -logps[:m].sum() / tokens[:m].sum().clamp(min=1)
         return loss, torch.cat([chosen_rewards, rejected_rewards])
 
     return fn

@@ -28,7 +28,7 @@ class Objective:
         p = r.preference
         self.r = r
         self.pad_id = pad_id
-        self.loss_fn = lossmod.dpo_loss_fn(p.beta, p.loss, p.label_smoothing)
+        self.loss_fn = lossmod.dpo_loss_fn(p.beta, p.loss, p.label_smoothing, p.nll_alpha)
         self.beta = p.beta
         self.chunk = p.chunk_tokens
         self.reference: dict | None = None  # {"train": (n, 2), "eval": (n, 2)} float64, filled by ReferencePass
@@ -38,6 +38,7 @@ class Objective:
         p = self.r.preference
         return (f"DPO ({p.loss}, beta {p.beta}"
                 + (f", label_smoothing {p.label_smoothing}" if p.label_smoothing else "")
+                + (f", + {p.nll_alpha} x the chosen completions' NLL" if p.nll_alpha else "")
                 + f"): chosen and rejected in one forward, the loss fused over {p.chunk_tokens}-token chunks of the "
                   "completions (no sequence x vocabulary logits), the reference log-probs computed once")
 
@@ -123,8 +124,11 @@ class Objective:
             return {}
         pol = pair_logps(model, ds, self.collate, self.r.train.micro_batch_size, device)
         ref = self.reference["eval"]
+        # label tokens per row as the loss counts them: positions after the first (lossmod.label_positions' shift)
+        tokens = torch.tensor([sum(t != lossmod.IGNORE for t in lab[1:]) for key in ("labels", "rejected_labels")
+                               for lab in ds[key]])
         loss, rewards = self.loss_fn(torch.cat([pol[:, 0], pol[:, 1]]).float(),
-                                     torch.cat([ref[:, 0], ref[:, 1]]).float())
+                                     torch.cat([ref[:, 0], ref[:, 1]]).float(), tokens)
         m = len(ds)
         chosen, rejected = rewards[:m], rewards[m:]
         return {"val_loss": float(loss), "val_reward_accuracy": float((chosen > rejected).float().mean()),
