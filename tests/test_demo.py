@@ -118,7 +118,7 @@ def test_make_demo_per_family(recipe, tmp_path):
         assert content.startswith("<think>"), content
 
 
-@pytest.mark.extended  # the SmolLM2 SFT + DPO chains (~40 min here); CI: tests/test_preference.py (below)
+@pytest.mark.extended  # the SmolLM2 SFT + DPO chains (43 min here, 2026-11-27); CI: tests/test_preference.py (below)
 def test_make_demo_smollm2_dpo(tmp_path):
     """Preference tuning after SFT on the real model, as `make demo RECIPE=smollm2_dpo` runs it: the SFT run first
     (here into tmp_path/sft; the recipe's own runs/smollm2/model is trained by the demo when missing), then DPO
