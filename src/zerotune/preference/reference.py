@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 
 from .. import manifest as mf
 from ..errors import UserError
+from ..train.callbacks import StopBeforeTraining, max_over_ranks
 
 TABLE = "logps.pt"
 FORMAT = 1  # bump when what the table holds changes
@@ -69,9 +70,7 @@ def pair_logps(model, ds, collate, micro: int, device, label: str | None = None,
             table[idx, 0] = out[:m].double().cpu()
             table[idx, 1] = out[m:].double().cpu()
         progress.update(k + 1) if progress else None
-        if stop is not None and _any_rank(stop.requested is not None, device):
-            from ..train.callbacks import StopBeforeTraining
-
+        if stop is not None and max_over_ranks(float(stop.requested is not None), device) > 0:
             raise StopBeforeTraining(f"{stop.requested or 'a signal on another rank'} received during the reference "
                                      f"log-prob pass ({k + 1} of {calls} forwards)")
     if progress:
@@ -81,12 +80,6 @@ def pair_logps(model, ds, collate, micro: int, device, label: str | None = None,
         d.all_reduce(table)
         table = table.cpu()
     return table
-
-
-def _any_rank(flag: bool, device) -> bool:
-    from ..train.callbacks import max_over_ranks
-
-    return max_over_ranks(1.0 if flag else 0.0, device) > 0
 
 
 def cache_key(data_fingerprint: str, base: Path, choice) -> dict:
@@ -118,7 +111,7 @@ class ReferencePass(TrainerCallback):
 
         say = print if state.is_world_process_zero else (lambda *a, **k: None)
         cached = self._read()
-        if _any_rank(cached is None, args.device):  # one decision for all ranks: a node-local copy may differ
+        if max_over_ranks(float(cached is None), args.device) > 0:  # one decision for all ranks: a node-local copy may differ
             cached = None
         if cached is not None:
             self.objective.reference = cached

@@ -141,18 +141,14 @@ class StopOnSignal(TrainerCallback):
 
         self.requested = signal.Signals(signum).name
 
-    @staticmethod
-    def _max_over_ranks(args, value: float) -> float:
-        return max_over_ranks(value, args.device)
-
     @classmethod
     def _all_ranks(cls, args, local: bool) -> bool:
         """True only if true on every rank: a decision that leads ranks into different collectives must agree
         (a SIGTERM, the clock and the measured save time are each rank's own)."""
-        return cls._max_over_ranks(args, 0.0 if local else 1.0) == 0
+        return max_over_ranks(0.0 if local else 1.0, args.device) == 0
 
     def on_train_begin(self, args, state, control, **kw):
-        if self._max_over_ranks(args, 1.0 if self.requested else 0.0) > 0:
+        if max_over_ranks(1.0 if self.requested else 0.0, args.device) > 0:
             raise StopBeforeTraining(f"{self.requested or 'a signal on another rank'} received before the first step")
         resumed = last_committed(Path(args.output_dir), quiet=True)
         marker = CommitMarker.read(resumed) if resumed else None
@@ -184,7 +180,7 @@ class StopOnSignal(TrainerCallback):
         step_s = max(self.step_times) if self.step_times else None
         # 2: a signal, 1: the deadline; MAX over ranks, so a signal anywhere wins the reason
         local = 2.0 if self.requested else 1.0 if out_of_time(now, self.deadline, step_s, self.save_s) else 0.0
-        flag = self._max_over_ranks(args, local)
+        flag = max_over_ranks(local, args.device)
         save_s = self.save_s if self.save_s is not None else step_s
         last_why = None
         if state.global_step >= state.max_steps and (flag > 0 or self.deadline is not None):
