@@ -6,7 +6,7 @@
 #   (llama.cpp for a T4: slurm/check_t4.sbatch builds it with CUDA outside the shared .venv)
 #
 # Idempotent and fast once done: a stamp of the inputs skips work already done. Slow builds
-# (llama-cpp-python compiles llama.cpp, ~10 min on 2 cores) are cached in $ZEROTUNE_CACHE.
+# (llama-cpp-python compiles llama.cpp, ~3 min on 2 cores) are cached in $ZEROTUNE_CACHE.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,7 +28,7 @@ TOKENIZERS=(
 SMOLLM2_VERSION=0.1.2
 SMOLLM2_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 
-stamp_inputs="$(cat requirements.lock scripts/setup.sh scripts/llama_cpp.env; echo "$TORCH $LLAMA_CMAKE_ARGS")"
+stamp_inputs="$(cat requirements.lock scripts/setup.sh scripts/llama_cpp.env "$LLAMA_CPP_SKIP_COMMON"; echo "$TORCH $LLAMA_CMAKE_ARGS")"
 stamp="$(printf '%s' "$stamp_inputs" | sha256sum | cut -c1-16)"
 if [[ -f .venv/.zerotune-setup && "$(cat .venv/.zerotune-setup)" == "$stamp" \
       && -f assets/llama.cpp/convert_hf_to_gguf.py && -f assets/tokenizer/llama3_1/tokenizer.json
@@ -52,11 +52,11 @@ if [[ ! -f "$sdist" ]] || ! echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --qu
   $PIP download -q --no-deps --no-binary :all: -d "$CACHE/src" "llama-cpp-python==$LLAMA_CPP_VERSION"
 fi
 echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $sdist" >&2; exit 1; }
-variant="$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-8)"
+variant="$(llama_cpp_variant "$LLAMA_CMAKE_ARGS")"
 wheeldir="$CACHE/wheels/llama-cpp-$LLAMA_CPP_VERSION-$variant"
 LLAMA_PID=""
 if ! ls "$wheeldir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  echo "setup: compiling llama.cpp in the background (about 5 minutes on 2 cores; cached afterwards in $wheeldir;" \
+  echo "setup: compiling llama.cpp in the background (about 3 minutes on 2 cores; cached afterwards in $wheeldir;" \
        "log: $CACHE/llama-build.log)"
   rm -rf "$wheeldir.tmp"
   ( CMAKE_ARGS="$LLAMA_CMAKE_ARGS" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \

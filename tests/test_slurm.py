@@ -131,20 +131,49 @@ def test_check_t4_builds_with_setups_portable_flags_outside_the_shared_venv():
     assert re.findall(r"^#SBATCH\s+--mem=(\d+)G", text, flags=re.M) == ["110"]
 
 
+def _setup_sdist() -> Path:
+    """The llama-cpp-python sdist `make setup` downloaded and checked."""
+    version = re.search(r"^LLAMA_CPP_VERSION=(\S+)$", (REPO / "scripts" / "llama_cpp.env").read_text(), re.M)[1]
+    cache = Path(os.environ.get("ZEROTUNE_CACHE") or Path.home() / ".cache" / "zerotune")
+    sdist = cache / "src" / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        if os.environ.get("CI"):  # .ci/run runs make setup, which downloads it: missing there is a failure
+            pytest.fail(f"{sdist} missing after make setup")
+        pytest.skip(f"{sdist} missing (make setup downloads it)")
+    return sdist
+
+
+def test_llama_cpp_build_leaves_out_the_common_library_the_wheel_never_ships(tmp_path):
+    """Half the compile a newcomer waits for is libllama-common, which llama-cpp-python forces on and never
+    installs; the hook in setup's flags turns it off. Configured for real from setup's sdist (seconds, no compile)."""
+    import tarfile
+
+    with tarfile.open(_setup_sdist()) as tar:
+        tar.extractall(tmp_path, members=[m for m in tar.getmembers() if "/vendor/llama.cpp/models/" not in m.name],
+                       filter="data")
+    src = next(tmp_path.glob("llama_cpp_python-*"))
+    flags = _bash("source scripts/llama_cpp.env; echo $LLAMA_CPU_CMAKE_ARGS").split()
+    assert any(f.startswith("-DCMAKE_PROJECT_INCLUDE=") for f in flags)
+    targets = {}
+    for name, args in (("setup", flags), ("without the hook", [f for f in flags if "PROJECT_INCLUDE" not in f])):
+        build = tmp_path / name.replace(" ", "_")
+        subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-Wno-dev", *args], check=True,
+                       capture_output=True)
+        listing = subprocess.run(["cmake", "--build", str(build), "--target", "help"], check=True,
+                                 capture_output=True, text=True).stdout
+        targets[name] = set(re.findall(r"^\.\.\. (\S+)", listing, flags=re.M))
+    assert "llama-common" in targets["without the hook"]  # llama-cpp-python forces it on: the hook is needed
+    assert not {"llama-common", "cpp-httplib"} & targets["setup"]
+    assert {"llama", "ggml", "ggml-base", "ggml-cpu"} <= targets["setup"]  # what the wheel ships and loads
+
+
 def test_check_t4_fails_early_with_one_line(tmp_path):
     env = {**os.environ, "ZEROTUNE_CACHE": str(tmp_path), "SLURM_SUBMIT_DIR": str(REPO)}
     r = subprocess.run(["bash", str(SLURM / "check_t4.sbatch"), "tiny"], cwd=REPO, env=env, capture_output=True,
                        text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "run 'make setup' first" in r.stderr
     # with setup's sdist in place and no CUDA toolkit on PATH: the nvcc message, before any build
-    version = re.search(r"^LLAMA_CPP_VERSION=(\S+)$", (REPO / "scripts" / "llama_cpp.env").read_text(), re.M)[1]
-    sdist = Path.home() / ".cache" / "zerotune" / "src" / f"llama_cpp_python-{version}.tar.gz"
-    if os.environ.get("ZEROTUNE_CACHE"):
-        sdist = Path(os.environ["ZEROTUNE_CACHE"]) / "src" / sdist.name
-    if not sdist.exists():
-        if os.environ.get("CI"):  # .ci/run runs make setup, which downloads it: missing there is a failure
-            pytest.fail(f"{sdist} missing after make setup")
-        pytest.skip(f"{sdist} missing (make setup downloads it)")
+    sdist = _setup_sdist()
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / sdist.name).symlink_to(sdist)
     path = ":".join(d for d in os.environ["PATH"].split(":") if not (Path(d) / "nvcc").exists())
