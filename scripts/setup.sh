@@ -49,7 +49,9 @@ echo "setup: llama-cpp-python $LLAMA_CPP_VERSION (sdist, sha256-checked)"
 sdist="$CACHE/src/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
 if [[ ! -f "$sdist" ]] || ! echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --quiet; then
   rm -f "$sdist"
-  $PIP download -q --no-deps --no-binary :all: -d "$CACHE/src" "llama-cpp-python==$LLAMA_CPP_VERSION"
+  # --no-binary names the one package: `:all:` makes pip build the sdist's build backend and its whole chain
+  # from source just to read the metadata (7:17 on a fresh machine, 7 s this way).
+  $PIP download -q --no-deps --no-binary llama-cpp-python -d "$CACHE/src" "llama-cpp-python==$LLAMA_CPP_VERSION"
 fi
 echo "$LLAMA_CPP_SHA256  $sdist" | sha256sum -c --quiet || { echo "setup: checksum mismatch for $sdist" >&2; exit 1; }
 variant="$(llama_cpp_variant "$LLAMA_CMAKE_ARGS")"
