@@ -288,12 +288,13 @@ def _worker(mode: str, out: Path) -> None:
 # The tests (pytest runs this file)
 # ---------------------------------------------------------------------------------------------
 
-def _launch(mode: str, out: Path) -> None:
+def _launch(mode: str, out: Path, worker: str = __file__) -> None:
+    """torchrun `worker` (a test file that is its own worker) on WORLD CPU ranks as zerotune's CPU training is."""
     from zerotune.ports import free_port
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # as train/launch.py on CPU
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(Path(__file__).resolve()), mode, str(out)]
+           f"--master_port={free_port()}", str(Path(worker).resolve()), mode, str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0 and "SIGABRT" in proc.stderr:
         # Once in about 13 launches while building this test a rank died of SIGABRT during the profiled save

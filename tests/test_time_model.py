@@ -11,6 +11,7 @@ from zerotune import hardware
 from zerotune.config import load_recipe
 from zerotune.planner.compute import compute_plan
 from zerotune.planner.report import format_plan
+from zerotune.planner import memory
 from zerotune.planner import time as tm
 
 V100 = hardware.GPUS["v100-32gb"]
@@ -50,6 +51,40 @@ def test_ring_collective_time():
     # across nodes the node's network (10 GB/s) is the slower link
     assert tm.collective_s(16 * GB, 32, EDR1, across_nodes=True) == pytest.approx(16 * 31 / 32 / 10)
     assert tm.collective_s(16 * GB, 1, EDR1, across_nodes=False) == 0
+
+
+def test_collective_latency_is_nccls_ring_model():
+    # NCCL's tuner (src/graph/tuning.cc), ring Simple: 8.4 us + (ranks - nodes) in-node steps + (nodes - 1) network
+    # steps; 384 V100s on 24 DGX-2 nodes: 8.4 + 360 x 3.4 + 23 x 14 = 1,554.4 us
+    assert tm.collective_latency_s(384, 24, EDR1) == pytest.approx(1554.4e-6)
+    assert tm.collective_latency_s(8, 1, EDR1) == pytest.approx((8.4 + 7 * 3.4) * 1e-6)  # one NVLink node
+    assert tm.collective_latency_s(8, 1, tm.CLUSTERS["t4-pcie-1xedr"]) == pytest.approx((8.4 + 7 * 5.7) * 1e-6)
+    assert tm.collective_latency_s(1, 1, EDR1) == 0
+    # a module-by-module gather pays the bytes once and the latency per module
+    assert tm.gather_s(16 * GB, 226, 32, 4, EDR1) == pytest.approx(
+        16 * 31 / 32 / 10 + 226 * (8.4 + 28 * 3.4 + 3 * 14) * 1e-6)
+
+
+def test_latency_per_gathered_module_in_every_collective():
+    # 226 modules: two gathers and one reduce-scatter per micro-step each, in the passes' traffic
+    plain, lat = (tm.step_time(job(nodes=4, grad_accum=120, modules=m), EDR1, 125.0, 0.35) for m in (0, 226))
+    one = tm.collective_latency_s(32, 4, EDR1)
+    assert lat["per_micro_step"]["collectives"] == 3 * 226
+    assert lat["per_micro_step"]["latency_s"] == pytest.approx(3 * 226 * one)
+    assert lat["per_micro_step"]["communication_s"] - plain["per_micro_step"]["communication_s"] == pytest.approx(
+        3 * 226 * one)
+    assert plain["per_micro_step"]["collectives"] == 0
+
+
+def test_gathered_modules_follow_the_persistence_threshold():
+    shape = memory.model_shape(load_recipe("llama8b_zero3"))
+    # transformers' "auto": 10 x hidden = 40,960: every projection, the embedding and the untied lm_head; not the
+    # norms (4,096 each)
+    assert shape.gathered_modules() == 32 * 7 + 2
+    # a threshold of 20M keeps q and o (16.8M) resident too: gate, up, down (58.7M), embedding and lm_head remain
+    assert shape.gathered_modules(20_000_000) == 32 * 3 + 2
+    t = compute_plan(load_recipe("llama8b_zero3")).time
+    assert t["per_micro_step"]["collectives"] == 3 * (32 * 7 + 2)
 
 
 def test_one_node_step_by_hand():
@@ -206,10 +241,17 @@ ZEROPP = [
     ("ZeRO++ blog eval3.png", "18B, 384 V100, 800 Gb/s, 2K tokens/GPU", 8, 2048, 47),
     ("ZeRO++ blog eval1.png", "18B, 384 V100, 4x 100 Gb/s IB, 1K tokens/GPU", 4, 1024, 25),
 ]
-# Internally inconsistent with its sibling (same cluster, 2K tokens: 40 TFLOPS): the extra 1K tokens per GPU
-# cost 1.65 s, 95 TFLOPS at the margin (76% of the V100's peak), so ~2 s of this row's time is something no
-# compute + bandwidth model carries (per-collective latency at 384 ranks, stragglers). Pinned, not tuned to.
-OUTLIERS = {"18B, 384 V100, 4x 100 Gb/s IB, 1K tokens/GPU"}
+# Modules ZeRO-3 gathers per pass in Megatron-DeepSpeed's GPT: per layer query_key_value, dense,
+# dense_h_to_4h, dense_4h_to_h (the layer norms, 12,288 parameters, stay under DeepSpeed's default
+# stage3_param_persistence_threshold of 1e5), plus the word and position embeddings (the output layer shares
+# the word embeddings).
+MEGATRON_MODULES = 4 * 40 + 2
+# The 4x 1K row was 31% optimistic before the per-collective latency (NCCL's model, one collective per gathered
+# module): its extra 1K tokens per GPU over the 2K sibling on the same cluster (40 TFLOPS) cost only 1.65 s, 95
+# TFLOPS at the margin (76% of the V100's peak), so ~2 s of it is fixed cost per micro-step at 384 ranks. The
+# latency carries 0.38 s of that and brings the row to the tolerance's edge; the rest (DeepSpeed's host-side
+# work per module, stragglers at 384 ranks) is not modelled.
+SHORT_ROW = "18B, 384 V100, 4x 100 Gb/s IB, 1K tokens/GPU"
 
 
 def dgx2(ports: int) -> tm.Cluster:
@@ -217,14 +259,15 @@ def dgx2(ports: int) -> tm.Cluster:
                       nics=ports, host=tm.F("pcie3_host_measured"), hbm=tm.F("gpu_hbm_v100"), cpu_adam=tm.F("cpu_adam"))
 
 
-def zeropp_prediction(ports: int, tokens: int, overlap: float | None = None) -> tuple[float, float]:
+def zeropp_prediction(ports: int, tokens: int, overlap: float | None = None,
+                      modules: int = MEGATRON_MODULES) -> tuple[float, float]:
     """(predicted, measured-equivalent) seconds per iteration: compute + communication + optimizer (the fixed
     terms are the HF Trainer's; Megatron-DeepSpeed has none of them)."""
     L, h, V = 40, 6144, 50257
     n = 12 * L * h * h + (V + 2048) * h
     flops = megatron_flops(tokens, L, h, V)
     j = tm.Job(n_params=n, trainable=n, flops_micro=flops, forward_share=0.25, tokens_micro=tokens, grad_accum=1,
-               gpus_per_node=16, nodes=24, dtype_bytes=2, zero_stage=3)
+               gpus_per_node=16, nodes=24, dtype_bytes=2, zero_stage=3, modules=modules)
     t = tm.step_time(j, dgx2(ports), V100.peak_tflops, V100.default_mfu, overlap)
     return t["seconds_per_step"] - t["terms"]["fixed"], flops
 
@@ -234,10 +277,9 @@ def test_calibration_zeropp_zero3_baseline(src, setup, ports, tokens, tflops):
     predicted, flops = zeropp_prediction(ports, tokens)
     measured = flops / (tflops * 1e12)
     err = predicted / measured - 1
-    if setup in OUTLIERS:
-        assert -0.5 < err < -TOL or TOL < err < 0.5, (setup, err)  # documented: outside, and by how much
-    else:
-        assert abs(err) <= TOL, (setup, round(err, 3))
+    assert abs(err) <= TOL, (setup, round(err, 3))
+    if setup == SHORT_ROW:  # in only because of the latency term: without it 31% optimistic
+        assert zeropp_prediction(ports, tokens, modules=0)[0] / measured - 1 < -0.3
     # the former model (compute only) is optimistic beyond the tolerance where the traffic dominates
     compute_only = flops / (V100.peak_tflops * 1e12 * V100.default_mfu)
     if ports == 1:
@@ -264,11 +306,11 @@ def test_cpu_adam_within_a_measured_whole_step():
 
 
 def test_overlap_is_not_tuned_to_one_row():
-    # every non-outlier row stays within tolerance for any overlap from 0.5 to 1.0, not only at the stated 0.75
-    # (leave-one-out, the best overlap for the other rows is 0.82-0.89 and predicts the row left out within 12%)
-    for overlap in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+    # every 2K row and the 1x 1K row stay within tolerance for any overlap from 0.6 to 1.0, not only at the
+    # stated 0.75; the 4x 1K row (the model's weakest, SHORT_ROW) only up to 0.75 (docs/planner_time.md)
+    for overlap in (0.6, 0.7, 0.8, 0.9, 1.0):
         for src, setup, ports, tokens, tflops in ZEROPP:
-            if setup in OUTLIERS:
+            if setup == SHORT_ROW:
                 continue
             predicted, flops = zeropp_prediction(ports, tokens, overlap)
             assert abs(predicted / (flops / (tflops * 1e12)) - 1) <= TOL, (overlap, setup)

@@ -165,7 +165,9 @@ def _doc_lengths(r: Recipe) -> dict | None:
 def _zero_settings(zero: dict | None) -> dict:
     """What the time model reads from the resolved zero_optimization (ds_config.build)."""
     zero = zero or {}
+    persist = zero.get("stage3_param_persistence_threshold")
     return {"zero_stage": int(zero.get("stage", 0) or 0),
+            "persistence_threshold": int(persist) if isinstance(persist, (int, float)) else None,  # None: "auto"
             "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme"),
             "hpz": int(zero.get("zero_hpz_partition_size", 1) or 1)}
 
@@ -205,7 +207,8 @@ def _job(r, shape, flops_per_step, seq, micro, gpn, nodes, precision, zero, save
                          tokens_micro=seq * micro, grad_accum=ga, gpus_per_node=gpn, nodes=nodes,
                          dtype_bytes=hardware.dtype_bytes(precision), zero_stage=zs["zero_stage"],
                          offload_optimizer=zs["offload_optimizer"], hpz=zs["hpz"] if hpz is None else hpz,
-                         save_s=save_s, save_steps=r.train.save_steps)
+                         save_s=save_s, save_steps=r.train.save_steps,
+                         modules=shape.gathered_modules(zs["persistence_threshold"]))
 
 
 NODE_COUNTS = (1, 2, 4, 8)
@@ -436,7 +439,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     time = _step_time(r, shape, g, gpu_name, r.data.seq_len, world, _rows(r, r.train.micro_batch_size),
                       choice.attention, docs, **time_kw)
     _samples_gather_once(phases["samples"], shape, choice, capacity, world)
-    for name, t in _phase_times(r, shape, g, gpu_name, choice, gpn, nn, cluster, disk, docs, data, time,
+    for name, t in _phase_times(r, shape, g, gpu_name, choice, gpn, nn, cluster, disk, docs, data, time, zero,
                                 gather_once=phases["samples"]["gather_once"]).items():
         phases[name]["time"] = t
     if time["seconds_per_step"] and g.cluster and _zero_settings(zero)["zero_stage"] == 3:  # multi-node = ZeRO-3 here
@@ -516,7 +519,7 @@ def _samples_gather_once(samples: dict, shape, choice, capacity: int, world: int
 
 
 def _phase_times(r: Recipe, shape, g, gpu_name, choice, gpn: int, nodes: int, cluster, disk: dict, docs, data: dict,
-                 time: dict, gather_once: bool = False) -> dict:
+                 time: dict, zero: dict | None, gather_once: bool = False) -> dict:
     """Each non-training phase's seconds on the target cluster (time.phase_times); {} where the time model has
     no figures (a CPU target)."""
     from ..answering import eval_sets
@@ -539,7 +542,8 @@ def _phase_times(r: Recipe, shape, g, gpu_name, choice, gpn: int, nodes: int, cl
         # DPO: a micro-batch's rows per no-grad forward; the reference pass: every pair's 2 rows (None: no data yet)
         rows_per_forward=_rows(r, r.train.micro_batch_size) if r.pairs else 1,
         reference_rows=_rows(r, data["train_sequences"] + (data.get("eval_sequences") or 0))
-        if r.pairs and data["train_sequences"] is not None else None)
+        if r.pairs and data["train_sequences"] is not None else None,
+        modules=shape.gathered_modules(_zero_settings(zero)["persistence_threshold"]))
 
 
 def _phases(r: Recipe, shape, choice, zero, g, gpn: int, world: int, capacity: int, train: dict) -> dict:

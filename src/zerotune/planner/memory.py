@@ -45,6 +45,15 @@ class ModelShape:
     layer_types: tuple = ()  # per layer "full_attention" / "sliding_attention"; () = all full
     sliding_window: int | None = None
     tied: bool = False
+    # per module owning parameters, its largest own parameter (numel): ZeRO-3 gathers a module unless every
+    # parameter it owns is under stage3_param_persistence_threshold (planner/time.py's per-collective latency)
+    module_params: tuple = ()
+
+    def gathered_modules(self, persistence_threshold: int | None = None) -> int:
+        """Modules ZeRO-3 gathers in each pass; the threshold defaults to what transformers fills for "auto"
+        (integrations/deepspeed.py: 10 x hidden)."""
+        t = 10 * self.hidden if persistence_threshold is None else persistence_threshold
+        return sum(n > t for n in self.module_params)
 
     @property
     def fam(self):
@@ -108,13 +117,15 @@ def _shape_from_config(path: str) -> ModelShape:
         model = AutoModelForCausalLM.from_config(cfg)
     total = sum({id(p): p.numel() for p in model.parameters()}.values())  # tied weights once
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    owned = [[p.numel() for p in m.parameters(recurse=False)] for m in model.modules()]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layer_types = tuple(getattr(cfg, "layer_types", None) or ())
     sliding = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
     return ModelShape(total, largest, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
                       getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim,
                       cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, path, family.name,
-                      layer_types, sliding, bool(getattr(cfg, "tie_word_embeddings", False)))
+                      layer_types, sliding, bool(getattr(cfg, "tie_word_embeddings", False)),
+                      tuple(max(o) for o in owned if o))
 
 
 def model_shape(r: Recipe) -> ModelShape:

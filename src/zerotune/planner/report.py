@@ -97,7 +97,9 @@ def format_time(p: Plan) -> list[str]:
                  f"cluster {t['cluster']}: in-node {t['intra_node_gbs']:.0f} GB/s, between nodes {t['inter_node_gbs']:.0f} GB/s per node "
                  "(planner/time.py)")
     gathers = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}" for k, v in pm.items()
-                        if k not in ("compute_s", "communication_s", "exposed_s"))
+                        if k not in ("compute_s", "communication_s", "exposed_s", "latency_s", "collectives"))
+    if pm.get("collectives"):
+        gathers += f"; of it NCCL latency {pm['latency_s']:.2f} ({pm['collectives']:,} collectives)"
     why = {"compute": f"{t['grad_accum']} micro-steps x {pm['compute_s']:.2f} s at {t['mfu']:.0%} MFU (kernels only)",
            "communication": f"per micro-step {pm['communication_s']:.2f} s of traffic ({gathers or 'none'}), "
                             f"{pm['exposed_s']:.2f} s not hidden ({t['overlap']:.0%} of the overlappable overlaps)"

@@ -112,6 +112,26 @@ FIGURES: dict[str, Figure] = {
         2.0, "GPUs", "V100-SXM2 boards: two GPUs share each PCIe switch's x16 uplink to the CPU",
         "Leadtek WinFast GS4830NT (8xV100-SXM2, DGX-1 layout): 'each PCI-E PLX switch is the root of two SXM2 "
         "modules and one PCI-E 3.0 x16 slot'"),
+    # --- per-collective latency (NCCL's own model of it) ---------------------------------------------
+    # NCCL picks an algorithm and protocol per call from time = latency + bytes / bandwidth; for a ring
+    # all-gather or reduce-scatter (the only algorithm DeepSpeed's gathers get on these clusters, protocol Simple
+    # at the megabyte sizes of a module) the latency is base + (ranks - nodes) x an in-node step + (nodes - 1) x a
+    # network step. These are the constants of its tuner, not a fit to any row here.
+    "nccl_ring_base_us": Figure(
+        8.4, "us per collective", "NCCL ring, Simple protocol: base latency of one collective",
+        "NVIDIA/nccl src/graph/tuning.cc (master 5067397c), ncclTunerConstantsDefaults baseLatencies, Ring/Simple; "
+        "ring AllGather/ReduceScatter latency = base + (nsteps - nInterSteps) x intraLat + nInterSteps x interLat "
+        "with nsteps = ranks - 1, nInterSteps = nodes - 1 (ncclTopoTuneModel)"),
+    "nccl_ring_step_nvlink_us": Figure(
+        3.4, "us per ring step", "NCCL ring, Simple protocol: one step between GPUs of a node over NVLink",
+        "NVIDIA/nccl src/graph/tuning.cc hwLatencies[NVLINK][Ring][Simple] (unchanged since NCCL 2.8, 2020)"),
+    "nccl_ring_step_pci_us": Figure(
+        5.7, "us per ring step", "NCCL ring, Simple protocol: one step between GPUs of a node over PCIe",
+        "NVIDIA/nccl src/graph/tuning.cc hwLatencies[PCI][Ring][Simple]"),
+    "nccl_ring_step_net_us": Figure(
+        14.0, "us per ring step", "NCCL ring, Simple protocol: one step between nodes over the network",
+        "NVIDIA/nccl src/graph/tuning.cc hwLatencies[NET][Ring][Simple] (9.6 in NCCL 2.8; 14 since), plus the "
+        "network plugin's reported latency (0 for IB verbs)"),
     # --- optimizer -----------------------------------------------------------------------------------
     "gpu_optimizer_v100": Figure(
         2.0e9, "parameters/s per GPU", "DeepSpeed ZeRO-3 optimizer step on V100 (fused Adam + unscale, "
@@ -172,6 +192,7 @@ class Cluster:
     host: float   # host<->GPU per GPU when every GPU of the node copies at once
     hbm: float
     cpu_adam: float  # parameters/s per node
+    intra_link: str = "nvlink"  # how a node's GPUs reach each other: "nvlink" or "pci" (NCCL's ring step latency)
 
     @property
     def inter(self) -> float:
@@ -192,7 +213,7 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
     _v100(1), _v100(4), _v100(1, "ib_hdr_line"),
     Cluster("t4-pcie-1xedr", "T4s on PCIe 3.0 (no NVLink), 1x InfiniBand EDR per node",
             intra=F("pcie3_x16_line") * F("nccl_efficiency"), nic="ib_edr_line", nics=1,
-            host=F("pcie3_host_measured"), hbm=F("gpu_hbm_t4"), cpu_adam=F("cpu_adam")),
+            host=F("pcie3_host_measured"), hbm=F("gpu_hbm_t4"), cpu_adam=F("cpu_adam"), intra_link="pci"),
     Cluster("a100-sxm4-8xhdr", "8x A100-SXM4 NVLink3 per node, 8x InfiniBand HDR per node (DGX A100)",
             intra=F("nvlink3_a100_busbw"), nic="ib_hdr_line", nics=8, host=F("pcie4_host_measured"),
             hbm=F("gpu_hbm_a100"), cpu_adam=F("cpu_adam")),
@@ -226,6 +247,7 @@ class Job:
     hpz: int = 1             # zero_hpz_partition_size
     save_s: float = 0.0      # one checkpoint save
     save_steps: int = 0
+    modules: int = 0         # modules whose parameters ZeRO-3 gathers (one above stage3_param_persistence_threshold)
 
     @property
     def world(self) -> int:
@@ -238,6 +260,22 @@ def collective_s(nbytes: float, ranks: int, c: Cluster, across_nodes: bool) -> f
         return 0.0
     bw = min(c.intra, c.inter) if across_nodes else c.intra
     return nbytes * (ranks - 1) / ranks / (bw * GB)
+
+
+def collective_latency_s(ranks: int, nodes: int, c: Cluster) -> float:
+    """NCCL's modelled latency of one ring all-gather / reduce-scatter over `ranks` ranks on `nodes` nodes
+    (src/graph/tuning.cc: base + (ranks - nodes) in-node steps + (nodes - 1) network steps, Simple protocol)."""
+    if ranks <= 1:
+        return 0.0
+    intra = F(f"nccl_ring_step_{c.intra_link}_us")
+    return (F("nccl_ring_base_us") + (ranks - nodes) * intra + (nodes - 1) * F("nccl_ring_step_net_us")) * 1e-6
+
+
+def gather_s(nbytes: float, modules: int, ranks: int, nodes: int, c: Cluster) -> float:
+    """ZeRO-3 gathering a model of nbytes module by module: the bytes at the bus bandwidth, plus one collective's
+    latency per module (partitioned_param_coordinator.fetch_sub_module gathers a module's own parameters, and
+    its prefetch at most the next few: at most one all-gather per module)."""
+    return collective_s(nbytes, ranks, c, nodes > 1) + modules * collective_latency_s(ranks, nodes, c)
 
 
 def _pass_s(compute: float, comm: float, overlap: float) -> float:
@@ -257,16 +295,24 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
     detail = {}
     step_comm = 0.0  # traffic outside the micro-steps (non-ZeRO-3 all-reduce)
     if job.zero_stage == 3 and w > 1:
-        world_gather = collective_s(gathered, w, c, multi)
+        world_gather = gather_s(gathered, job.modules, w, job.nodes, c)
+        world_lat = collective_latency_s(w, job.nodes, c)
         if job.hpz > 1:
             h = min(job.hpz, w)
-            local_gather = collective_s(gathered, h, c, h > gpn)
+            local_gather = gather_s(gathered, job.modules, h, -(-h // gpn), c)
+            local_lat = collective_latency_s(h, -(-h // gpn), c)
             fwd_gather = (world_gather + (ga - 1) * local_gather) / ga  # only the step's first crosses the world
             bwd_gather = local_gather
+            fwd_lat, bwd_lat = (world_lat + (ga - 1) * local_lat) / ga, local_lat
         else:
             fwd_gather = bwd_gather = world_gather
-        reduce_scatter = collective_s(grads, w, c, multi)
-        detail.update(forward_gather_s=fwd_gather, backward_gather_s=bwd_gather, reduce_scatter_s=reduce_scatter)
+            fwd_lat = bwd_lat = world_lat
+        # gradients leave in buckets of reduce_bucket_size (hidden^2 under "auto"): a module's weight of
+        # hidden^2 or more flushes alone, smaller ones share, so at most one reduce-scatter per module
+        reduce_scatter = gather_s(grads, job.modules, w, job.nodes, c)
+        latency = job.modules * (fwd_lat + bwd_lat + world_lat)
+        detail.update(forward_gather_s=fwd_gather, backward_gather_s=bwd_gather, reduce_scatter_s=reduce_scatter,
+                      latency_s=latency, collectives=3 * job.modules)
     elif job.zero_stage == 2 and w > 1:
         # partition_gradients: the gradients are reduced on every micro-step's backward, not at the boundary
         # (deepspeed 0.19.8 runtime/zero/stage_1_and_2.py:2293-2295); the parameters are not partitioned
@@ -322,22 +368,22 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
                 peak_tflops: float, mfu: float, seq: int, attention_span: float, eval_rows: int | None,
                 samples: int, prompt_tokens: int, new_tokens: int, checkpoint_bytes: int, model_bytes: int,
                 save_s: float, gather_once: bool = False, probe_tokens: int = 256, rows_per_forward: int = 1,
-                reference_rows: int | None = None) -> dict:
+                reference_rows: int | None = None, modules: int = 0) -> dict:
     """Seconds of each phase that is not a training step, once each (the plan prints them beside their memory;
     the deadline reserves the end of training's validation and samples).
     validation: every rank forwards ceil(eval rows / world) rows of `seq` tokens, no grad: 2N + attention FLOPs
       per token, and ZeRO-3 gathers every parameter for each forward (the training forward's all-gather).
     samples: greedy generation under ZeRO-3: a prefill of the prompt, then one forward per new token, and each of
       those gathers every parameter again (deepspeed 0.19.8 partitioned_param_coordinator.py ~494-499, 634-660:
-      stage3_max_reuse_distance 1e9 < the parameters gathered per token, so nothing stays): at 8B, 16 GB per token.
+      stage3_max_reuse_distance 1e9 < the parameters gathered per token, so nothing stays): at 8B, 16 GB per token
+      and one collective's latency per module.
       gather_once: the whole model is gathered once for the round (train/validation.py, where the plan finds the memory
       for it), then each token reads the local weights from HBM: decode is memory-bound.
     save: the checkpoint write (compute.SAVE_BYTES_PER_S). resume: reading it back (storage_read).
     finalize: rank 0 reads the consolidated model back and runs the verification probe on the CPU.
     DPO: validation and the reference pass forward `rows_per_forward` rows (a micro-batch's pairs) per call, one
     gather per call; reference: `reference_rows` rows (2 per train and validation pair; None: data not prepared)."""
-    multi = nodes > 1
-    gather = collective_s(dtype_bytes * n_params, world, c, multi)
+    gather = gather_s(dtype_bytes * n_params, modules, world, nodes, c)
     flops_s = peak_tflops * 1e12 * mfu
 
     def forward_s(tokens: int, span: float) -> float:
