@@ -360,14 +360,16 @@ def test_one_process_equals_two_and_a_resume_at_another_world_size_is_exact(tiny
     """The reference (conftest: 2 processes, 6 steps) against a run that starts on 1 process, is stopped after its
     first step by a deadline already passed (checkpoint-1 committed at world size 1), and resumes on 2 processes
     through the universal conversion: every step's loss and grad norm equal, the reference log-probs computed by
-    1 process equal those of 2, and the resumed run reads them from the cache instead of recomputing them."""
+    1 process equal those of 2, and the resumed run reads them from the cache instead of recomputing them.
+    The run folder's name has the characters DeepSpeed's converter and transformers' checkpoint glob misread
+    (universal.py's aliases; without them the conversion fails or the resume starts over)."""
     import shutil
     import time
 
     import torch
 
     ref = tiny_dpo_reference
-    run = tmp_path / "run"
+    run = tmp_path / "run (copy)+[1]"
     for part in ("data", "base"):
         shutil.copytree(ref / part, run / part)
 
