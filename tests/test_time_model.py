@@ -249,8 +249,8 @@ MEGATRON_MODULES = 4 * 40 + 2
 # The 4x 1K row was 31% optimistic before the per-collective latency (NCCL's model, one collective per gathered
 # module): its extra 1K tokens per GPU over the 2K sibling on the same cluster (40 TFLOPS) cost only 1.65 s, 95
 # TFLOPS at the margin (76% of the V100's peak), so ~2 s of it is fixed cost per micro-step at 384 ranks. The
-# latency carries 0.38 s of that and brings the row to the tolerance's edge; the rest (DeepSpeed's host-side
-# work per module, stragglers at 384 ranks) is not modelled.
+# latency carries 0.38 s of that and brings the row to the tolerance's edge; the rest (stragglers at 384 ranks,
+# anything else fixed per micro-step) is not modelled.
 SHORT_ROW = "18B, 384 V100, 4x 100 Gb/s IB, 1K tokens/GPU"
 
 
