@@ -53,36 +53,51 @@ def test_ring_collective_time():
     assert tm.collective_s(16 * GB, 1, EDR1, across_nodes=False) == 0
 
 
-def test_collective_latency_is_nccls_ring_model():
-    # NCCL's tuner (src/graph/tuning.cc), ring Simple: 8.4 us + (ranks - nodes) in-node steps + (nodes - 1) network
-    # steps; 384 V100s on 24 DGX-2 nodes: 8.4 + 360 x 3.4 + 23 x 14 = 1,554.4 us
-    assert tm.collective_latency_s(384, 24, EDR1) == pytest.approx(1554.4e-6)
-    assert tm.collective_latency_s(8, 1, EDR1) == pytest.approx((8.4 + 7 * 3.4) * 1e-6)  # one NVLink node
-    assert tm.collective_latency_s(8, 1, tm.CLUSTERS["t4-pcie-1xedr"]) == pytest.approx((8.4 + 7 * 5.7) * 1e-6)
-    assert tm.collective_latency_s(1, 1, EDR1) == 0
-    # a module-by-module gather pays the bytes once and the latency per module
-    assert tm.gather_s(16 * GB, 226, 32, 4, EDR1) == pytest.approx(
-        16 * 31 / 32 / 10 + 226 * (8.4 + 28 * 3.4 + 3 * 14) * 1e-6)
+def test_ring_collective_is_nccls_own_model():
+    # NCCL's tuner (src/graph/tuning.cc), ring: base + (ranks - nodes) in-node steps + (nodes - 1) network steps;
+    # 384 V100s on 24 DGX-2 nodes: Simple 8.4 + 360 x 3.4 + 23 x 14 = 1,554.4 us, LL128 14 + 360 x 1.9 + 23 x 4 =
+    # 790 us, LL 6.6 + 360 x 0.6 + 23 x 2.7 = 284.7 us; bandwidth 1, 0.92, 0.5 (capped at 20.4 GB/s) of the bus's
+    four = t_dgx2 = tm.Cluster("dgx2", "", intra=EDR1.intra, nic="ib_edr_line", nics=4, host=6.0, hbm=900.0,
+                               cpu_adam=1e9)
+    bw = four.inter * GB  # 40 GB/s per node
+    for nbytes in (1e3, 75e6, 226e6, 1e9):
+        share = nbytes * 383 / 384
+        want = min(1554.4e-6 + share / bw, 790e-6 + share / (0.92 * bw), 284.7e-6 + share / (min(0.5 * bw, 20.4e9)))
+        assert tm.ring_collective_s(nbytes, 384, 24, four)[0] == pytest.approx(want)
+    assert tm.ring_collective_s(1e3, 384, 24, t_dgx2)[1] == pytest.approx(284.7e-6)  # a few KB: LL
+    assert tm.ring_collective_s(75e6, 384, 24, four)[1] == pytest.approx(790e-6)  # 18B's 75 MB module: LL128
+    # Llama-3.1-8B's 117 MB MLP matrix on one 8-GPU NVLink node: Simple (LL128's 8% less bandwidth costs more)
+    assert tm.ring_collective_s(117e6, 8, 1, EDR1)[1] == pytest.approx((8.4 + 7 * 3.4) * 1e-6)
+    # no NVLink (T4 on PCIe): no LL128; Simple's PCIe step
+    assert tm.ring_collective_s(117e6, 8, 1, tm.CLUSTERS["t4-pcie-1xedr"])[1] == pytest.approx((8.4 + 7 * 5.7) * 1e-6)
+    assert tm.ring_collective_s(1e9, 1, 1, EDR1) == (0.0, 0.0)
 
 
 def test_latency_per_gathered_module_in_every_collective():
-    # 226 modules: two gathers and one reduce-scatter per micro-step each, in the passes' traffic
-    plain, lat = (tm.step_time(job(nodes=4, grad_accum=120, modules=m), EDR1, 125.0, 0.35) for m in (0, 226))
-    one = tm.collective_latency_s(32, 4, EDR1)
-    assert lat["per_micro_step"]["collectives"] == 3 * 226
-    assert lat["per_micro_step"]["latency_s"] == pytest.approx(3 * 226 * one)
-    assert lat["per_micro_step"]["communication_s"] - plain["per_micro_step"]["communication_s"] == pytest.approx(
-        3 * 226 * one)
-    assert plain["per_micro_step"]["collectives"] == 0
+    # 226 modules: a forward and a backward gather and a reduce-scatter each per micro-step, in the passes' traffic
+    numels = (8_000_000_000 // 226,) * 226
+    plain = tm.step_time(job(nodes=4, grad_accum=120), EDR1, 125.0, 0.35)
+    lat = tm.step_time(job(nodes=4, grad_accum=120, module_numels=numels), EDR1, 125.0, 0.35)
+    one, one_lat = tm.ring_collective_s(2 * numels[0], 32, 4, EDR1)
+    pm = lat["per_micro_step"]
+    assert pm["collectives"] == 3 * 226 and pm["latency_s"] == pytest.approx(3 * 226 * one_lat)
+    assert pm["communication_s"] == pytest.approx(3 * 226 * one)
+    assert pm["communication_s"] - plain["per_micro_step"]["communication_s"] == pytest.approx(3 * 226 * one_lat)
+    assert "collectives" not in plain["per_micro_step"]
+    # adapters: their few gradients fill whole reduce buckets (3 here), the gathers stay per module
+    lora = tm.step_time(job(nodes=4, grad_accum=120, module_numels=numels, trainable=42_000_000,
+                            reduce_bucket=16_777_216), EDR1, 125.0, 0.35)["per_micro_step"]
+    assert lora["collectives"] == 2 * 226 + 3
 
 
 def test_gathered_modules_follow_the_persistence_threshold():
     shape = memory.model_shape(load_recipe("llama8b_zero3"))
     # transformers' "auto": 10 x hidden = 40,960: every projection, the embedding and the untied lm_head; not the
     # norms (4,096 each)
-    assert shape.gathered_modules() == 32 * 7 + 2
+    numels = shape.gathered_numels()
+    assert len(numels) == 32 * 7 + 2 and sum(numels) == shape.n_params - (2 * 32 + 1) * 4096
     # a threshold of 20M keeps q and o (16.8M) resident too: gate, up, down (58.7M), embedding and lm_head remain
-    assert shape.gathered_modules(20_000_000) == 32 * 3 + 2
+    assert len(shape.gathered_numels(20_000_000)) == 32 * 3 + 2
     t = compute_plan(load_recipe("llama8b_zero3")).time
     assert t["per_micro_step"]["collectives"] == 3 * (32 * 7 + 2)
 
@@ -241,16 +256,17 @@ ZEROPP = [
     ("ZeRO++ blog eval3.png", "18B, 384 V100, 800 Gb/s, 2K tokens/GPU", 8, 2048, 47),
     ("ZeRO++ blog eval1.png", "18B, 384 V100, 4x 100 Gb/s IB, 1K tokens/GPU", 4, 1024, 25),
 ]
-# Modules ZeRO-3 gathers per pass in Megatron-DeepSpeed's GPT: per layer query_key_value, dense,
-# dense_h_to_4h, dense_4h_to_h (the layer norms, 12,288 parameters, stay under DeepSpeed's default
-# stage3_param_persistence_threshold of 1e5), plus the word and position embeddings (the output layer shares
-# the word embeddings).
-MEGATRON_MODULES = 4 * 40 + 2
-# The 4x 1K row was 31% optimistic before the per-collective latency (NCCL's model, one collective per gathered
-# module): its extra 1K tokens per GPU over the 2K sibling on the same cluster (40 TFLOPS) cost only 1.65 s, 95
-# TFLOPS at the margin (76% of the V100's peak), so ~2 s of it is fixed cost per micro-step at 384 ranks. The
-# latency carries 0.38 s of that and brings the row to the tolerance's edge; the rest (stragglers at 384 ranks,
-# anything else fixed per micro-step) is not modelled.
+# What ZeRO-3 gathers per pass in Megatron-DeepSpeed's GPT, module by module: the word and position embeddings
+# (the output layer shares the word embeddings), then per layer query_key_value, dense, dense_h_to_4h,
+# dense_4h_to_h (their biases and the layer norms, 6,144-24,576 parameters, stay under DeepSpeed's default
+# stage3_param_persistence_threshold of 1e5; the ZeRO++ tutorial's config sets reduce_bucket_size 1e7, under each
+# weight: one reduce-scatter per module).
+MEGATRON_MODULES = (50257 * 6144, 2048 * 6144) + (3 * 6144 ** 2, 6144 ** 2, 4 * 6144 ** 2, 4 * 6144 ** 2) * 40
+# The 4x 1K row is outside the tolerance: its extra 1K tokens per GPU over the 2K sibling on the same cluster (40
+# TFLOPS) cost only 1.65 s, 95 TFLOPS at the margin (76% of the V100's peak), so ~2 s of it is fixed cost per
+# micro-step at 384 ranks. NCCL's per-collective latency (its own model and protocol choice, one collective per
+# gathered module) carries ~0.3 s of that: -31% -> -26%. The rest (stragglers at 384 ranks, anything else fixed
+# per micro-step) is not modelled.
 SHORT_ROW = "18B, 384 V100, 4x 100 Gb/s IB, 1K tokens/GPU"
 
 
@@ -260,14 +276,14 @@ def dgx2(ports: int) -> tm.Cluster:
 
 
 def zeropp_prediction(ports: int, tokens: int, overlap: float | None = None,
-                      modules: int = MEGATRON_MODULES) -> tuple[float, float]:
+                      modules: tuple = MEGATRON_MODULES) -> tuple[float, float]:
     """(predicted, measured-equivalent) seconds per iteration: compute + communication + optimizer (the fixed
     terms are the HF Trainer's; Megatron-DeepSpeed has none of them)."""
     L, h, V = 40, 6144, 50257
     n = 12 * L * h * h + (V + 2048) * h
     flops = megatron_flops(tokens, L, h, V)
     j = tm.Job(n_params=n, trainable=n, flops_micro=flops, forward_share=0.25, tokens_micro=tokens, grad_accum=1,
-               gpus_per_node=16, nodes=24, dtype_bytes=2, zero_stage=3, modules=modules)
+               gpus_per_node=16, nodes=24, dtype_bytes=2, zero_stage=3, module_numels=modules)
     t = tm.step_time(j, dgx2(ports), V100.peak_tflops, V100.default_mfu, overlap)
     return t["seconds_per_step"] - t["terms"]["fixed"], flops
 
@@ -277,9 +293,11 @@ def test_calibration_zeropp_zero3_baseline(src, setup, ports, tokens, tflops):
     predicted, flops = zeropp_prediction(ports, tokens)
     measured = flops / (tflops * 1e12)
     err = predicted / measured - 1
-    assert abs(err) <= TOL, (setup, round(err, 3))
-    if setup == SHORT_ROW:  # in only because of the latency term: without it 31% optimistic
-        assert zeropp_prediction(ports, tokens, modules=0)[0] / measured - 1 < -0.3
+    if setup == SHORT_ROW:  # outside, by less than without the latency term (31% optimistic): pinned, not tuned to
+        assert -0.3 < err < -TOL, (setup, round(err, 3))
+        assert zeropp_prediction(ports, tokens, modules=())[0] / measured - 1 < -0.3
+    else:
+        assert abs(err) <= TOL, (setup, round(err, 3))
     # the former model (compute only) is optimistic beyond the tolerance where the traffic dominates
     compute_only = flops / (V100.peak_tflops * 1e12 * V100.default_mfu)
     if ports == 1:

@@ -45,15 +45,16 @@ class ModelShape:
     layer_types: tuple = ()  # per layer "full_attention" / "sliding_attention"; () = all full
     sliding_window: int | None = None
     tied: bool = False
-    # per module owning parameters, its largest own parameter (numel): ZeRO-3 gathers a module unless every
-    # parameter it owns is under stage3_param_persistence_threshold (planner/time.py's per-collective latency)
+    # per module owning parameters (in registration order, the forward's for these models), its own parameters'
+    # numels: ZeRO-3 gathers those above stage3_param_persistence_threshold, module by module (planner/time.py)
     module_params: tuple = ()
 
-    def gathered_modules(self, persistence_threshold: int | None = None) -> int:
-        """Modules ZeRO-3 gathers in each pass; the threshold defaults to what transformers fills for "auto"
-        (integrations/deepspeed.py: 10 x hidden)."""
+    def gathered_numels(self, persistence_threshold: int | None = None) -> tuple:
+        """Per module ZeRO-3 gathers, the numel it gathers: its parameters above the threshold (DeepSpeed keeps
+        those at or under it resident: parameter_offload.py, numel <= threshold). The threshold defaults to what
+        transformers fills for "auto" (integrations/deepspeed.py: 10 x hidden)."""
         t = 10 * self.hidden if persistence_threshold is None else persistence_threshold
-        return sum(n > t for n in self.module_params)
+        return tuple(n for n in (sum(x for x in own if x > t) for own in self.module_params) if n)
 
     @property
     def fam(self):
@@ -125,7 +126,7 @@ def _shape_from_config(path: str) -> ModelShape:
                       getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim,
                       cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, path, family.name,
                       layer_types, sliding, bool(getattr(cfg, "tie_word_embeddings", False)),
-                      tuple(max(o) for o in owned if o))
+                      tuple(tuple(o) for o in owned if o))
 
 
 def model_shape(r: Recipe) -> ModelShape:

@@ -41,9 +41,13 @@ rate it sustains "bus bandwidth"). What ZeRO-3 moves per micro-step, from deepsp
 
 Ignored, with their size: parameters below stage3_param_persistence_threshold stay resident (Llama's norms,
 < 0.01% of the bytes); parameters kept across the forward/backward turnaround (at most
-stage3_max_reuse_distance = 1e9 parameters: <= 6% of one micro-step's gather bytes for 8B); per-collective
-latency and DeepSpeed's per-module hook overhead (about 1,000 collectives per 8B micro-step: they matter at
-micro-batches of a few hundred tokens, not at 16K).
+stage3_max_reuse_distance = 1e9 parameters: <= 6% of one micro-step's gather bytes for 8B); DeepSpeed's host-side
+work per module (its hooks run ahead of the GPU's queue and cost time only where a module's kernels are shorter).
+
+Per-collective latency: ZeRO-3 moves the model module by module (Job.module_numels: a gather per gathered module
+and pass, a reduce-scatter per module's gradients), and each collective costs what NCCL's own tuner says it does
+(NCCL_RING: its latency and bandwidth per protocol, the cheapest one; 678 collectives, 0.02 s per 8B micro-step on
+one node, 0.10 s on 4).
 
 OVERLAP is the share of the shorter of compute and communication that runs concurrently. DeepSpeed
 prefetches the next modules' gathers (stage3_prefetch_bucket_size) and, with overlap_comm, reduce-scatters
@@ -112,26 +116,6 @@ FIGURES: dict[str, Figure] = {
         2.0, "GPUs", "V100-SXM2 boards: two GPUs share each PCIe switch's x16 uplink to the CPU",
         "Leadtek WinFast GS4830NT (8xV100-SXM2, DGX-1 layout): 'each PCI-E PLX switch is the root of two SXM2 "
         "modules and one PCI-E 3.0 x16 slot'"),
-    # --- per-collective latency (NCCL's own model of it) ---------------------------------------------
-    # NCCL picks an algorithm and protocol per call from time = latency + bytes / bandwidth; for a ring
-    # all-gather or reduce-scatter (the only algorithm DeepSpeed's gathers get on these clusters, protocol Simple
-    # at the megabyte sizes of a module) the latency is base + (ranks - nodes) x an in-node step + (nodes - 1) x a
-    # network step. These are the constants of its tuner, not a fit to any row here.
-    "nccl_ring_base_us": Figure(
-        8.4, "us per collective", "NCCL ring, Simple protocol: base latency of one collective",
-        "NVIDIA/nccl src/graph/tuning.cc (master 5067397c), ncclTunerConstantsDefaults baseLatencies, Ring/Simple; "
-        "ring AllGather/ReduceScatter latency = base + (nsteps - nInterSteps) x intraLat + nInterSteps x interLat "
-        "with nsteps = ranks - 1, nInterSteps = nodes - 1 (ncclTopoTuneModel)"),
-    "nccl_ring_step_nvlink_us": Figure(
-        3.4, "us per ring step", "NCCL ring, Simple protocol: one step between GPUs of a node over NVLink",
-        "NVIDIA/nccl src/graph/tuning.cc hwLatencies[NVLINK][Ring][Simple] (unchanged since NCCL 2.8, 2020)"),
-    "nccl_ring_step_pci_us": Figure(
-        5.7, "us per ring step", "NCCL ring, Simple protocol: one step between GPUs of a node over PCIe",
-        "NVIDIA/nccl src/graph/tuning.cc hwLatencies[PCI][Ring][Simple]"),
-    "nccl_ring_step_net_us": Figure(
-        14.0, "us per ring step", "NCCL ring, Simple protocol: one step between nodes over the network",
-        "NVIDIA/nccl src/graph/tuning.cc hwLatencies[NET][Ring][Simple] (9.6 in NCCL 2.8; 14 since), plus the "
-        "network plugin's reported latency (0 for IB verbs)"),
     # --- optimizer -----------------------------------------------------------------------------------
     "gpu_optimizer_v100": Figure(
         2.0e9, "parameters/s per GPU", "DeepSpeed ZeRO-3 optimizer step on V100 (fused Adam + unscale, "
@@ -180,6 +164,33 @@ FIGURES: dict[str, Figure] = {
 
 def F(name: str) -> float:
     return FIGURES[name].value
+
+
+@dataclass(frozen=True)
+class RingProtocol:
+    """One NCCL protocol of the ring all-gather / reduce-scatter, as NCCL's tuner models it: latency base_us +
+    (ranks - nodes) in-node steps + (nodes - 1) network steps, bandwidth bw_factor x the bus bandwidth."""
+    base_us: float
+    step_us: tuple       # one ring step over (NVLink, PCIe, the network)
+    bw_factor: float     # of the bus bandwidth nccl-tests measures (FIGURES: the Simple protocol's)
+    nvlink_only: bool    # LL128: on by default only where a node's GPUs talk over NVLink
+    cap_gbs: tuple = ()  # LL: llMaxBw (1 node, 2 nodes, more), Volta GPUs / Intel hosts
+
+
+# NCCL picks, per call, the protocol with the least latency + bytes / bandwidth (ncclTopoGetAlgoTime); ZeRO-3's
+# gathers and reduce-scatters on V100-A100-H100 clusters get the ring (PAT needs one GPU per node, NVLS is off
+# before Hopper and for all-gather across nodes, CollNet is off by default). Its tuner's constants, not a fit:
+NCCL_RING = {
+    "Simple": RingProtocol(8.4, (3.4, 5.7, 14.0), 1.0, False),
+    "LL128": RingProtocol(14.0, (1.9, 2.5, 4.0), 0.92, True),
+    "LL": RingProtocol(6.6, (0.6, 1.0, 2.7), 0.5, False, (39.0, 39.0, 20.4)),
+}
+NCCL_SOURCE = ("NVIDIA/nccl src/graph/tuning.cc (master 5067397c): ncclTunerConstantsDefaults baseLatencies and "
+               "hwLatencies (Ring: LL, LL128, Simple; NVLINK, PCI, NET rows), ring AllGather/ReduceScatter latency "
+               "base + (nsteps - nInterSteps) x intraLat + nInterSteps x interLat with nsteps = ranks - 1, "
+               "nInterSteps = nodes - 1 (ncclTopoTuneModel); bandwidth LL x0.5 capped by llMaxBws, LL128 x0.92; "
+               "LL128 enabled by default only over NVLink (typeIntra <= PATH_NVB). The network step of Simple is 14 us "
+               "since NCCL 2.18 (9.6 before); IB verbs adds no plugin latency")
 
 
 @dataclass(frozen=True)
@@ -248,7 +259,10 @@ class Job:
     hpz: int = 1             # zero_hpz_partition_size
     save_s: float = 0.0      # one checkpoint save
     save_steps: int = 0
-    modules: int = 0         # modules whose parameters ZeRO-3 gathers (one above stage3_param_persistence_threshold)
+    # ZeRO-3, module by module: the numel each gathered module's gather moves (its parameters above
+    # stage3_param_persistence_threshold), in gather order; () = the model as one collective, no latency (by hand)
+    module_numels: tuple = ()
+    reduce_bucket: int = 0   # reduce_bucket_size (numel): how many reduce-scatters adapters' few gradients take
 
     @property
     def world(self) -> int:
@@ -263,20 +277,54 @@ def collective_s(nbytes: float, ranks: int, c: Cluster, across_nodes: bool) -> f
     return nbytes * (ranks - 1) / ranks / (bw * GB)
 
 
-def collective_latency_s(ranks: int, nodes: int, c: Cluster) -> float:
-    """NCCL's modelled latency of one ring all-gather / reduce-scatter over `ranks` ranks on `nodes` nodes
-    (src/graph/tuning.cc: base + (ranks - nodes) in-node steps + (nodes - 1) network steps, Simple protocol)."""
+def ring_collective_s(nbytes: float, ranks: int, nodes: int, c: Cluster) -> tuple[float, float]:
+    """(seconds, of which latency) of one ring all-gather / reduce-scatter of nbytes (the full gathered size) as
+    NCCL's tuner times it, with the protocol it would pick: the least latency + bytes / bandwidth of NCCL_RING."""
     if ranks <= 1:
-        return 0.0
-    intra = F(f"nccl_ring_step_{c.intra_link}_us")
-    return (F("nccl_ring_base_us") + (ranks - nodes) * intra + (nodes - 1) * F("nccl_ring_step_net_us")) * 1e-6
+        return 0.0, 0.0
+    share = nbytes * (ranks - 1) / ranks
+    bw = (min(c.intra, c.inter) if nodes > 1 else c.intra) * GB
+    hw = {"nvlink": 0, "pci": 1}[c.intra_link]
+    best = None
+    for p in NCCL_RING.values():
+        if p.nvlink_only and c.intra_link != "nvlink":
+            continue
+        b = bw * p.bw_factor
+        if p.cap_gbs:
+            b = min(b, p.cap_gbs[min(nodes, 3) - 1] * GB)
+        lat = (p.base_us + (ranks - nodes) * p.step_us[hw] + (nodes - 1) * p.step_us[2]) * 1e-6
+        if best is None or lat + share / b < sum(best):
+            best = (share / b, lat)
+    return best[0] + best[1], best[1]
 
 
-def gather_s(nbytes: float, modules: int, ranks: int, nodes: int, c: Cluster) -> float:
-    """ZeRO-3 gathering a model of nbytes module by module: the bytes at the bus bandwidth, plus one collective's
-    latency per module (partitioned_param_coordinator.fetch_sub_module gathers a module's own parameters, and
-    its prefetch at most the next few: at most one all-gather per module)."""
-    return collective_s(nbytes, ranks, c, nodes > 1) + modules * collective_latency_s(ranks, nodes, c)
+def zero3_gather_s(dtype_bytes: int, n_params: int, module_numels: tuple, ranks: int, nodes: int,
+                   c: Cluster) -> tuple[float, float, int]:
+    """(seconds, of which latency, collectives) of gathering the model once, module by module: DeepSpeed's
+    fetch_sub_module gathers a module's own parameters (its prefetch may take a few small neighbours in one
+    collective: partitioned_param_coordinator.py), counted as one collective per gathered module. No modules
+    given: the model's bytes as one collective, no latency (the hand-computed cases)."""
+    if not module_numels:
+        return collective_s(dtype_bytes * n_params, ranks, c, nodes > 1), 0.0, 0
+    t = [ring_collective_s(dtype_bytes * n, ranks, nodes, c) for n in module_numels]
+    return sum(x for x, _ in t), sum(lat for _, lat in t), len(t)
+
+
+def zero3_reduce_scatter_s(job: Job, ranks: int, nodes: int, c: Cluster) -> tuple[float, float, int]:
+    """(seconds, of which latency, collectives) of one micro-step's gradient reduce-scatters. stage3.py fills a
+    bucket of reduce_bucket_size and flushes it before a gradient that would overflow it: a full fine-tune's
+    modules each about one flush (Llama: a norm beside a projection of hidden^2 goes alone, 8 per layer for 7
+    projections); adapters' gradients fill whole buckets."""
+    grads = job.dtype_bytes * job.trainable  # communication_data_type = the model's 16-bit dtype
+    if not job.module_numels:
+        return collective_s(grads, ranks, c, nodes > 1), 0.0, 0
+    if job.trainable < sum(job.module_numels) and job.reduce_bucket:
+        k = -(-job.trainable // job.reduce_bucket)
+        sizes = [grads / k] * k
+    else:
+        sizes = [job.dtype_bytes * n for n in job.module_numels]
+    t = [ring_collective_s(b, ranks, nodes, c) for b in sizes]
+    return sum(x for x, _ in t), sum(lat for _, lat in t), len(t)
 
 
 def _pass_s(compute: float, comm: float, overlap: float) -> float:
@@ -290,30 +338,26 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
     multi = job.nodes > 1
     compute = job.flops_micro / (peak_tflops * 1e12 * mfu)
     c_fwd, c_bwd = compute * job.forward_share, compute * (1 - job.forward_share)
-    gathered = job.dtype_bytes * job.n_params
     grads = job.dtype_bytes * job.trainable  # communication_data_type = the model's 16-bit dtype
     per_gpu = job.trainable / w
     detail = {}
     step_comm = 0.0  # traffic outside the micro-steps (non-ZeRO-3 all-reduce)
     if job.zero_stage == 3 and w > 1:
-        world_gather = gather_s(gathered, job.modules, w, job.nodes, c)
-        world_lat = collective_latency_s(w, job.nodes, c)
+        model = (job.dtype_bytes, job.n_params, job.module_numels)
+        world_gather, world_lat, n_gather = zero3_gather_s(*model, w, job.nodes, c)
         if job.hpz > 1:
             h = min(job.hpz, w)
-            local_gather = gather_s(gathered, job.modules, h, -(-h // gpn), c)
-            local_lat = collective_latency_s(h, -(-h // gpn), c)
+            local_gather, local_lat, _ = zero3_gather_s(*model, h, -(-h // gpn), c)
             fwd_gather = (world_gather + (ga - 1) * local_gather) / ga  # only the step's first crosses the world
             bwd_gather = local_gather
             fwd_lat, bwd_lat = (world_lat + (ga - 1) * local_lat) / ga, local_lat
         else:
             fwd_gather = bwd_gather = world_gather
             fwd_lat = bwd_lat = world_lat
-        # gradients leave in buckets of reduce_bucket_size (hidden^2 under "auto"): a module's weight of
-        # hidden^2 or more flushes alone, smaller ones share, so at most one reduce-scatter per module
-        reduce_scatter = gather_s(grads, job.modules, w, job.nodes, c)
-        latency = job.modules * (fwd_lat + bwd_lat + world_lat)
-        detail.update(forward_gather_s=fwd_gather, backward_gather_s=bwd_gather, reduce_scatter_s=reduce_scatter,
-                      latency_s=latency, collectives=3 * job.modules)
+        reduce_scatter, rs_lat, n_rs = zero3_reduce_scatter_s(job, w, job.nodes, c)
+        detail.update(forward_gather_s=fwd_gather, backward_gather_s=bwd_gather, reduce_scatter_s=reduce_scatter)
+        if n_gather:
+            detail.update(latency_s=fwd_lat + bwd_lat + rs_lat, collectives=2 * n_gather + n_rs)
     elif job.zero_stage == 2 and w > 1:
         # partition_gradients: the gradients are reduced on every micro-step's backward, not at the boundary
         # (deepspeed 0.19.8 runtime/zero/stage_1_and_2.py:2293-2295); the parameters are not partitioned
@@ -369,7 +413,7 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
                 peak_tflops: float, mfu: float, seq: int, attention_span: float, eval_rows: int | None,
                 samples: int, prompt_tokens: int, new_tokens: int, checkpoint_bytes: int, model_bytes: int,
                 save_s: float, gather_once: bool = False, probe_tokens: int = 256, rows_per_forward: int = 1,
-                reference_rows: int | None = None, modules: int = 0) -> dict:
+                reference_rows: int | None = None, module_numels: tuple = ()) -> dict:
     """Seconds of each phase that is not a training step, once each (the plan prints them beside their memory;
     the deadline reserves the end of training's validation and samples).
     validation: every rank forwards ceil(eval rows / world) rows of `seq` tokens, no grad: 2N + attention FLOPs
@@ -377,14 +421,14 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
     samples: greedy generation under ZeRO-3: a prefill of the prompt, then one forward per new token, and each of
       those gathers every parameter again (deepspeed 0.19.8 partitioned_param_coordinator.py ~494-499, 634-660:
       stage3_max_reuse_distance 1e9 < the parameters gathered per token, so nothing stays): at 8B, 16 GB per token
-      and one collective's latency per module.
+      and one collective's latency per module (module_numels).
       gather_once: the whole model is gathered once for the round (train/validation.py, where the plan finds the memory
       for it), then each token reads the local weights from HBM: decode is memory-bound.
     save: the checkpoint write (compute.SAVE_BYTES_PER_S). resume: reading it back (storage_read).
     finalize: rank 0 reads the consolidated model back and runs the verification probe on the CPU.
     DPO: validation and the reference pass forward `rows_per_forward` rows (a micro-batch's pairs) per call, one
     gather per call; reference: `reference_rows` rows (2 per train and validation pair; None: data not prepared)."""
-    gather = gather_s(dtype_bytes * n_params, modules, world, nodes, c)
+    gather = zero3_gather_s(dtype_bytes, n_params, module_numels, world, nodes, c)[0]
     flops_s = peak_tflops * 1e12 * mfu
 
     def forward_s(tokens: int, span: float) -> float:
