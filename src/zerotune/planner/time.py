@@ -138,7 +138,7 @@ FIGURES: dict[str, Figure] = {
     "overlap": Figure(
         0.75, "share", "of the shorter of a pass's compute and communication that runs concurrently",
         "assumption, consistent with the ZeRO++ V100 measurements (tests/test_time_model.py ZEROPP): the "
-        "rows imply 0.81-0.95 or more (1x 1K and 800G 2K are pessimistic even at 1.0), the 4x 1K row 0.28; "
+        "rows imply 0.81-0.95 or more (1x 1K and 800G 2K are pessimistic even at 1.0), the 4x 1K row 0.24; "
         "0.5 and 1.0 are compared in docs/planner_time.md"),
     # --- fixed costs per optimizer step -------------------------------------------------------------
     "fetch_s_per_token": Figure(
