@@ -56,20 +56,22 @@ def test_ring_collective_time():
 def test_ring_collective_is_nccls_own_model():
     # NCCL's tuner (src/graph/tuning.cc), ring: base + (ranks - nodes) in-node steps + (nodes - 1) network steps;
     # 384 V100s on 24 DGX-2 nodes: Simple 8.4 + 360 x 3.4 + 23 x 14 = 1,554.4 us, LL128 14 + 360 x 1.9 + 23 x 4 =
-    # 790 us, LL 6.6 + 360 x 0.6 + 23 x 2.7 = 284.7 us; bandwidth 1, 0.92, 0.5 (capped at 20.4 GB/s) of the bus's
-    four = t_dgx2 = tm.Cluster("dgx2", "", intra=EDR1.intra, nic="ib_edr_line", nics=4, host=6.0, hbm=900.0,
-                               cpu_adam=1e9)
-    bw = four.inter * GB  # 40 GB/s per node
+    # 790 us, LL 6.6 + 360 x 1.0 (an in-node step across nodes costs at least the 1 us network overhead) + 23 x 2.7
+    # = 428.7 us; bandwidth 1, 0.92, 0.5 (LL capped at 20.4 GB/s beyond 2 nodes) of the bus's
+    eight = tm.Cluster("dgx2-8x", "", intra=EDR1.intra, nic="ib_edr_line", nics=8, host=6.0, hbm=900.0, cpu_adam=1e9)
+    bw = eight.inter * GB  # 80 GB/s per node: LL's half (40) is above its 20.4 cap, which binds
     for nbytes in (1e3, 75e6, 226e6, 1e9):
         share = nbytes * 383 / 384
-        want = min(1554.4e-6 + share / bw, 790e-6 + share / (0.92 * bw), 284.7e-6 + share / (min(0.5 * bw, 20.4e9)))
-        assert tm.ring_collective_s(nbytes, 384, 24, four)[0] == pytest.approx(want)
-    assert tm.ring_collective_s(1e3, 384, 24, t_dgx2)[1] == pytest.approx(284.7e-6)  # a few KB: LL
-    assert tm.ring_collective_s(75e6, 384, 24, four)[1] == pytest.approx(790e-6)  # 18B's 75 MB module: LL128
+        want = min(1554.4e-6 + share / bw, 790e-6 + share / (0.92 * bw), 428.7e-6 + share / 20.4e9)
+        assert tm.ring_collective_s(nbytes, 384, 24, eight)[0] == pytest.approx(want)
+    assert tm.ring_collective_s(1e3, 384, 24, eight)[1] == pytest.approx(428.7e-6)  # a few KB: LL
+    assert tm.ring_collective_s(75e6, 384, 24, eight)[1] == pytest.approx(790e-6)  # 18B's 75 MB module: LL128
     # Llama-3.1-8B's 117 MB MLP matrix on one 8-GPU NVLink node: Simple (LL128's 8% less bandwidth costs more)
     assert tm.ring_collective_s(117e6, 8, 1, EDR1)[1] == pytest.approx((8.4 + 7 * 3.4) * 1e-6)
-    # no NVLink (T4 on PCIe): no LL128; Simple's PCIe step
-    assert tm.ring_collective_s(117e6, 8, 1, tm.CLUSTERS["t4-pcie-1xedr"])[1] == pytest.approx((8.4 + 7 * 5.7) * 1e-6)
+    # 4 MB on one node: LL128 over NVLink (14 + 7 x 1.9 us; between ~1 and ~7 MB it beats LL and Simple); on T4s
+    # (PCIe) no LL128: Simple's 8.4 + 7 x 5.7 us
+    assert tm.ring_collective_s(4e6, 8, 1, EDR1)[1] == pytest.approx((14 + 7 * 1.9) * 1e-6)
+    assert tm.ring_collective_s(4e6, 8, 1, tm.CLUSTERS["t4-pcie-1xedr"])[1] == pytest.approx((8.4 + 7 * 5.7) * 1e-6)
     assert tm.ring_collective_s(1e9, 1, 1, EDR1) == (0.0, 0.0)
 
 

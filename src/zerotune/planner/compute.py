@@ -485,7 +485,8 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     return Plan(
         recipe=r.name, model={"config": shape.config_path, **{k: v for k, v in dataclasses.asdict(shape).items()
                                                              if k not in ("config_path", "module_params")},
-                              "gathered_modules": len(shape.gathered_numels(_zero_settings(zero)["persistence_threshold"]))},
+                              "gathered_modules": len(shape.gathered_numels(_zero_settings(zero)["persistence_threshold"]))
+                              if _zero_settings(zero)["zero_stage"] == 3 else 0},
         cluster={"gpu": gpu_name, "gpu_name": g.name, "gpus_per_node": gpn, "nodes": nn, "world_size": world,
                  "capacity_bytes": capacity},
         choice={"precision": choice.precision, "attention": choice.attention, "liger": choice.liger,

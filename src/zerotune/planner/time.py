@@ -174,21 +174,24 @@ class RingProtocol:
     step_us: tuple       # one ring step over (NVLink, PCIe, the network)
     bw_factor: float     # of the bus bandwidth nccl-tests measures (FIGURES: the Simple protocol's)
     nvlink_only: bool    # LL128: on by default only where a node's GPUs talk over NVLink
-    cap_gbs: tuple = ()  # LL: llMaxBw (1 node, 2 nodes, more), Volta GPUs / Intel hosts
+    cap_gbs: tuple = ()  # LL: llMaxBw across 2 nodes, more (Intel hosts); one node: the GPU's (Cluster.ll_cap_gbs)
+    net_overhead: float = 1.0  # across nodes an in-node step costs at least this x NCCL's network post overhead
 
 
 # NCCL picks, per call, the protocol with the least latency + bytes / bandwidth (ncclTopoGetAlgoTime); ZeRO-3's
 # gathers and reduce-scatters on V100-A100-H100 clusters get the ring (PAT needs one GPU per node, NVLS is off
 # before Hopper and for all-gather across nodes, CollNet is off by default). Its tuner's constants, not a fit:
 NCCL_RING = {
-    "Simple": RingProtocol(8.4, (3.4, 5.7, 14.0), 1.0, False),
+    "Simple": RingProtocol(8.4, (3.4, 5.7, 14.0), 1.0, False, net_overhead=3.0),
     "LL128": RingProtocol(14.0, (1.9, 2.5, 4.0), 0.92, True),
-    "LL": RingProtocol(6.6, (0.6, 1.0, 2.7), 0.5, False, (39.0, 39.0, 20.4)),
+    "LL": RingProtocol(6.6, (0.6, 1.0, 2.7), 0.5, False, (39.0, 20.4)),
 }
+NCCL_NET_OVERHEAD_US = 1.0  # getNetOverhead on an Intel x86 host (2.0 on AMD)
 NCCL_SOURCE = ("NVIDIA/nccl src/graph/tuning.cc (master 5067397c): ncclTunerConstantsDefaults baseLatencies and "
                "hwLatencies (Ring: LL, LL128, Simple; NVLINK, PCI, NET rows), ring AllGather/ReduceScatter latency "
                "base + (nsteps - nInterSteps) x intraLat + nInterSteps x interLat with nsteps = ranks - 1, "
-               "nInterSteps = nodes - 1 (ncclTopoTuneModel); bandwidth LL x0.5 capped by llMaxBws, LL128 x0.92; "
+               "nInterSteps = nodes - 1, across nodes intraLat at least the network overhead (x3 for Simple) "
+               "(ncclTopoTuneModel); bandwidth LL x0.5 capped by llMaxBws, LL128 x0.92; "
                "LL128 enabled by default only over NVLink (typeIntra <= PATH_NVB). The network step of Simple is 14 us "
                "since NCCL 2.18 (9.6 before); IB verbs adds no plugin latency")
 
@@ -205,6 +208,7 @@ class Cluster:
     hbm: float
     cpu_adam: float  # parameters/s per node
     intra_link: str = "nvlink"  # how a node's GPUs reach each other: "nvlink" or "pci" (NCCL's ring step latency)
+    ll_cap_gbs: float = 39.0  # NCCL's LL bandwidth cap inside one node, by GPU generation (llMaxBws: Volta 39)
 
     @property
     def inter(self) -> float:
@@ -228,10 +232,10 @@ CLUSTERS: dict[str, Cluster] = {c.name: c for c in (
             host=F("pcie3_host_measured"), hbm=F("gpu_hbm_t4"), cpu_adam=F("cpu_adam"), intra_link="pci"),
     Cluster("a100-sxm4-8xhdr", "8x A100-SXM4 NVLink3 per node, 8x InfiniBand HDR per node (DGX A100)",
             intra=F("nvlink3_a100_busbw"), nic="ib_hdr_line", nics=8, host=F("pcie4_host_measured"),
-            hbm=F("gpu_hbm_a100"), cpu_adam=F("cpu_adam")),
+            hbm=F("gpu_hbm_a100"), cpu_adam=F("cpu_adam"), ll_cap_gbs=87.7),  # llMaxBws Ampere-N1
     Cluster("h100-sxm5-8xndr", "8x H100-SXM5 NVLink4 per node, 8x InfiniBand NDR per node (DGX H100)",
             intra=F("nvlink4_h100_busbw"), nic="ib_ndr_line", nics=8, host=F("pcie5_host_measured"),
-            hbm=F("gpu_hbm_h100"), cpu_adam=F("cpu_adam")),
+            hbm=F("gpu_hbm_h100"), cpu_adam=F("cpu_adam"), ll_cap_gbs=141.0),  # llMaxBws Hopper-N1
 )}
 # What a V100 plan shows beside its own cluster type in the node table.
 ALTERNATIVES = {"v100-sxm2-1xedr": ("v100-sxm2-4xedr",), "v100-sxm2-4xedr": ("v100-sxm2-1xedr",)}
@@ -291,8 +295,9 @@ def ring_collective_s(nbytes: float, ranks: int, nodes: int, c: Cluster) -> tupl
             continue
         b = bw * p.bw_factor
         if p.cap_gbs:
-            b = min(b, p.cap_gbs[min(nodes, 3) - 1] * GB)
-        lat = (p.base_us + (ranks - nodes) * p.step_us[hw] + (nodes - 1) * p.step_us[2]) * 1e-6
+            b = min(b, (c.ll_cap_gbs if nodes == 1 else p.cap_gbs[min(nodes, 3) - 2]) * GB)
+        step = p.step_us[hw] if nodes == 1 else max(p.step_us[hw], p.net_overhead * NCCL_NET_OVERHEAD_US)
+        lat = (p.base_us + (ranks - nodes) * step + (nodes - 1) * p.step_us[2]) * 1e-6
         if best is None or lat + share / b < sum(best):
             best = (share / b, lat)
     return best[0] + best[1], best[1]
@@ -318,6 +323,8 @@ def zero3_reduce_scatter_s(job: Job, ranks: int, nodes: int, c: Cluster) -> tupl
     grads = job.dtype_bytes * job.trainable  # communication_data_type = the model's 16-bit dtype
     if not job.module_numels:
         return collective_s(grads, ranks, c, nodes > 1), 0.0, 0
+    # (a full fine-tune is charged one per module: with a reduce_bucket_size far above hidden^2 DeepSpeed sends
+    # fewer, larger ones, and the model errs slow)
     if job.trainable < sum(job.module_numels) and job.reduce_bucket:
         k = -(-job.trainable // job.reduce_bucket)
         sizes = [grads / k] * k
