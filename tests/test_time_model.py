@@ -93,13 +93,24 @@ def test_latency_per_gathered_module_in_every_collective():
 
 
 def test_gathered_modules_follow_the_persistence_threshold():
+    import json
+
+    from conftest import REPO
+
     shape = memory.model_shape(load_recipe("llama8b_zero3"))
-    # transformers' "auto": 10 x hidden = 40,960: every projection, the embedding and the untied lm_head; not the
-    # norms (4,096 each)
-    numels = shape.gathered_numels()
+    zero = json.loads((REPO / "configs" / "deepspeed" / "zero3.json").read_text())["zero_optimization"]
+    # the shipped config's "auto", as transformers fills it: threshold 10 x hidden = 40,960 (every projection, the
+    # embedding and the untied lm_head; not the norms, 4,096 each), reduce bucket hidden^2
+    numels, bucket = shape.zero3_modules(zero)
     assert len(numels) == 32 * 7 + 2 and sum(numels) == shape.n_params - (2 * 32 + 1) * 4096
+    assert bucket == 4096 ** 2
     # a threshold of 20M keeps q and o (16.8M) resident too: gate, up, down (58.7M), embedding and lm_head remain
-    assert len(shape.gathered_numels(20_000_000)) == 32 * 3 + 2
+    assert len(shape.zero3_modules({**zero, "stage3_param_persistence_threshold": 20_000_000})[0]) == 32 * 3 + 2
+    # a value DeepSpeed would refuse at launch is refused by the plan, naming the key (the CLI: one line, exit 2)
+    from zerotune.errors import UserError
+
+    with pytest.raises(UserError, match=r"train\.zero\.reduce_bucket_size"):
+        shape.zero3_modules({**zero, "reduce_bucket_size": "big"})
     t = compute_plan(load_recipe("llama8b_zero3")).time
     assert t["per_micro_step"]["collectives"] == 3 * (32 * 7 + 2)
 

@@ -165,11 +165,7 @@ def _doc_lengths(r: Recipe) -> dict | None:
 def _zero_settings(zero: dict | None) -> dict:
     """What the time model reads from the resolved zero_optimization (ds_config.build)."""
     zero = zero or {}
-    persist, bucket = zero.get("stage3_param_persistence_threshold"), zero.get("reduce_bucket_size")
     return {"zero_stage": int(zero.get("stage", 0) or 0),
-            # None: "auto", which transformers fills from the hidden size (ModelShape.gathered_numels, _job)
-            "persistence_threshold": int(persist) if isinstance(persist, (int, float)) else None,
-            "reduce_bucket": int(bucket) if isinstance(bucket, (int, float)) else None,
             "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme"),
             "hpz": int(zero.get("zero_hpz_partition_size", 1) or 1)}
 
@@ -203,6 +199,7 @@ def _job(r, shape, flops_per_step, seq, micro, gpn, nodes, precision, zero, save
     ga = _grad_accum(r, seq, micro, world)
     zs = _zero_settings(zero)
     peft = _peft(r, shape)
+    numels, bucket = shape.zero3_modules(zero)
     return timemodel.Job(n_params=shape.n_params, trainable=peft[1] if peft else shape.n_params,
                          flops_micro=flops_per_step / (world * ga),
                          forward_share=0.25 if r.train.gradient_checkpointing else 1 / 3,
@@ -210,8 +207,7 @@ def _job(r, shape, flops_per_step, seq, micro, gpn, nodes, precision, zero, save
                          dtype_bytes=hardware.dtype_bytes(precision), zero_stage=zs["zero_stage"],
                          offload_optimizer=zs["offload_optimizer"], hpz=zs["hpz"] if hpz is None else hpz,
                          save_s=save_s, save_steps=r.train.save_steps,
-                         module_numels=shape.gathered_numels(zs["persistence_threshold"]),
-                         reduce_bucket=zs["reduce_bucket"] or shape.hidden ** 2)  # "auto": hidden^2 (transformers)
+                         module_numels=numels, reduce_bucket=bucket)
 
 
 NODE_COUNTS = (1, 2, 4, 8)
@@ -485,7 +481,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     return Plan(
         recipe=r.name, model={"config": shape.config_path, **{k: v for k, v in dataclasses.asdict(shape).items()
                                                              if k not in ("config_path", "module_params")},
-                              "gathered_modules": len(shape.gathered_numels(_zero_settings(zero)["persistence_threshold"]))
+                              "gathered_modules": len(shape.zero3_modules(zero)[0])
                               if _zero_settings(zero)["zero_stage"] == 3 else 0},
         cluster={"gpu": gpu_name, "gpu_name": g.name, "gpus_per_node": gpn, "nodes": nn, "world_size": world,
                  "capacity_bytes": capacity},
@@ -548,7 +544,7 @@ def _phase_times(r: Recipe, shape, g, gpu_name, choice, gpn: int, nodes: int, cl
         rows_per_forward=_rows(r, r.train.micro_batch_size) if r.pairs else 1,
         reference_rows=_rows(r, data["train_sequences"] + (data.get("eval_sequences") or 0))
         if r.pairs and data["train_sequences"] is not None else None,
-        module_numels=shape.gathered_numels(_zero_settings(zero)["persistence_threshold"]))
+        module_numels=shape.zero3_modules(zero)[0])
 
 
 def _phases(r: Recipe, shape, choice, zero, g, gpn: int, world: int, capacity: int, train: dict) -> dict:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import Recipe, resolve_path
+from ..errors import UserError
 from ..families import FAMILIES, of_config, public_config
 from . import calibration
 
@@ -49,12 +50,13 @@ class ModelShape:
     # numels: ZeRO-3 gathers those above stage3_param_persistence_threshold, module by module (planner/time.py)
     module_params: tuple = ()
 
-    def gathered_numels(self, persistence_threshold: int | None = None) -> tuple:
-        """Per module ZeRO-3 gathers, the numel it gathers: its parameters above the threshold (DeepSpeed keeps
-        those at or under it resident: parameter_offload.py, numel <= threshold). The threshold defaults to what
-        transformers fills for "auto" (integrations/deepspeed.py: 10 x hidden)."""
-        t = 10 * self.hidden if persistence_threshold is None else persistence_threshold
-        return tuple(n for n in (sum(x for x in own if x > t) for own in self.module_params) if n)
+    def zero3_modules(self, zero: dict | None) -> tuple[tuple, int]:
+        """(numel each module ZeRO-3 gathers moves, reduce_bucket_size) under a resolved zero_optimization: a
+        module's parameters above stage3_param_persistence_threshold (DeepSpeed keeps those at or under it
+        resident: parameter_offload.py, numel <= threshold)."""
+        t = zero_number(zero, "stage3_param_persistence_threshold", self.hidden)
+        numels = tuple(n for n in (sum(x for x in own if x > t) for own in self.module_params) if n)
+        return numels, zero_number(zero, "reduce_bucket_size", self.hidden)
 
     @property
     def fam(self):
@@ -117,8 +119,8 @@ def _shape_from_config(path: str) -> ModelShape:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     total = sum({id(p): p.numel() for p in model.parameters()}.values())  # tied weights once
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    owned = [[p.numel() for p in m.parameters(recurse=False)] for m in model.modules()]
+    owned = [tuple(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    largest = max(sum(o) for o in owned)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layer_types = tuple(getattr(cfg, "layer_types", None) or ())
     sliding = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
@@ -126,7 +128,7 @@ def _shape_from_config(path: str) -> ModelShape:
                       getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim,
                       cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, path, family.name,
                       layer_types, sliding, bool(getattr(cfg, "tie_word_embeddings", False)),
-                      tuple(tuple(o) for o in owned if o))
+                      tuple(o for o in owned if o))
 
 
 def model_shape(r: Recipe) -> ModelShape:
@@ -335,14 +337,32 @@ def liger_fallback_bytes(m: ModelShape, dtype_bytes: int, liger: bool, capabilit
 # Model states and DeepSpeed buffers
 # ---------------------------------------------------------------------------------------------
 
-def _num(v, auto):
-    return auto if v in (None, "auto") else int(float(v))
+# What an unset or "auto" zero_optimization size becomes, from the hidden size h: transformers fills the "auto"
+# ones (integrations/deepspeed.py), DeepSpeed defaults the others.
+ZERO_AUTO = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+             "stage3_param_persistence_threshold": lambda h: 10 * h, "stage3_max_live_parameters": lambda h: 10 ** 9,
+             "sub_group_size": lambda h: 10 ** 9}
+
+
+def zero_number(zero: dict | None, key: str, hidden: int = 0) -> int:
+    """A number of elements from a resolved zero_optimization (ZERO_AUTO where unset or "auto"). A value DeepSpeed
+    would refuse at launch is refused here, naming the key."""
+    v = (zero or {}).get(key)
+    if v in (None, "auto"):
+        return ZERO_AUTO[key](hidden)
+    try:
+        if isinstance(v, bool):
+            raise ValueError
+        return int(float(v))
+    except (TypeError, ValueError):
+        raise UserError(f"zero_optimization.{key} is {v!r}: DeepSpeed takes a number of elements or \"auto\"; fix "
+                        f"train.zero.{key} in the recipe (or the DeepSpeed JSON it names).") from None
 
 
 def sub_group_size(zero: dict | None) -> int:
     """DeepSpeed's optimizer sub-group, in elements per rank (zero_optimization.sub_group_size; DeepSpeed's
     default 1e9): the unit the optimizer step upcasts gradients in and torch.save writes one tensor of."""
-    return _num((zero or {}).get("sub_group_size"), 10 ** 9)
+    return zero_number(zero, "sub_group_size")
 
 
 def model_states_bytes(m: ModelShape, zero: dict | None, gpus_per_node: int, nodes: int) -> tuple[int, int, str]:
@@ -419,13 +439,12 @@ def deepspeed_buffers(m: ModelShape, zero: dict | None, world: int, dtype_bytes:
     if not off_opt:
         # The optimizer step upcasts one sub-group of gradients to fp32 at a time.
         out["fp32 grad sub-group"] = 4 * min(sub_group_size(zero), per_rank)
-    # The Trainer fills the 'auto' buckets from the hidden size: h^2 and 0.9 h^2 elements.
-    reduce = _num(zero.get("reduce_bucket_size"), h * h) * dtype_bytes
+    reduce = zero_number(zero, "reduce_bucket_size", h) * dtype_bytes
     out["reduce bucket"] = reduce * (2 if zero.get("overlap_comm", True) else 1)  # double-buffered with overlap
-    out["prefetch bucket"] = _num(zero.get("stage3_prefetch_bucket_size"), int(0.9 * h * h)) * dtype_bytes
+    out["prefetch bucket"] = zero_number(zero, "stage3_prefetch_bucket_size", h) * dtype_bytes
     # Gathered 16-bit parameters: up to stage3_max_live_parameters. The estimator already holds
     # 4 B x largest layer for gathering; count only what exceeds it.
-    live = min(_num(zero.get("stage3_max_live_parameters"), 10 ** 9), m.n_params) * dtype_bytes
+    live = min(zero_number(zero, "stage3_max_live_parameters"), m.n_params) * dtype_bytes
     out["live gathered params"] = max(0, live - 4 * m.largest_layer_params)
     return out
 

@@ -311,8 +311,7 @@ def zero3_gather_s(dtype_bytes: int, n_params: int, module_numels: tuple, ranks:
     given: the model's bytes as one collective, no latency (the hand-computed cases)."""
     if not module_numels:
         return collective_s(dtype_bytes * n_params, ranks, c, nodes > 1), 0.0, 0
-    t = [ring_collective_s(dtype_bytes * n, ranks, nodes, c) for n in module_numels]
-    return sum(x for x, _ in t), sum(lat for _, lat in t), len(t)
+    return _ring_collectives_s([dtype_bytes * n for n in module_numels], ranks, nodes, c)
 
 
 def zero3_reduce_scatter_s(job: Job, ranks: int, nodes: int, c: Cluster) -> tuple[float, float, int]:
@@ -330,6 +329,11 @@ def zero3_reduce_scatter_s(job: Job, ranks: int, nodes: int, c: Cluster) -> tupl
         sizes = [grads / k] * k
     else:
         sizes = [job.dtype_bytes * n for n in job.module_numels]
+    return _ring_collectives_s(sizes, ranks, nodes, c)
+
+
+def _ring_collectives_s(sizes: list, ranks: int, nodes: int, c: Cluster) -> tuple[float, float, int]:
+    """(seconds, of which latency, how many) of one ring collective per size in bytes."""
     t = [ring_collective_s(b, ranks, nodes, c) for b in sizes]
     return sum(x for x, _ in t), sum(lat for _, lat in t), len(t)
 
