@@ -1,6 +1,8 @@
 """Recipe schema: validation, coercion, overrides, and every shipped recipe loads."""
 
 
+import re
+
 import pytest
 
 from zerotune import ds_config
@@ -92,11 +94,83 @@ def test_the_plan_gpu_is_validated_against_the_gpu_table_at_load():
     assert {load_recipe("tiny", [f"plan.gpu={g}"]).plan.gpu for g in GPUS} == set(GPUS)
 
 
-def test_eval_batch_size_below_one_is_refused_at_load():
-    from zerotune.config import RecipeError, load_recipe
+def _bounded_fields():
+    """(override prefix, field) for every field that states its valid values, the typed sub-sections included."""
+    import dataclasses
 
-    with pytest.raises(RecipeError, match=r"eval.batch_size=0: must be at least 1"):
-        load_recipe("tiny", ["eval.batch_size=0"])
+    from zerotune.config import _SECTION_CLASSES, EvalSetCfg, ReplayCfg, SourceCfg
+
+    where = {**{s: c for s, c in _SECTION_CLASSES.items()}, "data.replay": ReplayCfg,
+             "data.sources[0]": SourceCfg, "eval.sets[0]": EvalSetCfg}
+    return [(prefix, f) for prefix, cls in where.items() for f in dataclasses.fields(cls) if f.metadata.get("valid")]
+
+
+def _tiny_with(prefix: str, key: str, value):
+    """The tiny recipe with one field set, through the path a recipe file takes (sub-sections in their lists)."""
+    import yaml
+
+    raw = yaml.safe_load((RECIPES_DIR / "tiny.yaml").read_text())
+    raw["name"] = "tiny"
+    if prefix == "data.replay":  # replay needs a pretrained model and a prompt file to be valid at all
+        raw["model"] = {"name_or_path": "some/model", "tokenizer": raw["model"]["tokenizer"]}
+        raw["data"]["replay"] = {"path": "data/general/prompts.jsonl", key: value}
+    elif prefix == "data.sources[0]":
+        raw["data"]["sources"][0] = {**raw["data"]["sources"][0], key: value}
+    elif prefix == "eval.sets[0]":
+        raw["data"]["heldout"] = None
+        raw["eval"] = {"sets": [{"name": "task", "path": "data/tiny/heldout.jsonl", key: value}]}
+    else:
+        section, k = prefix, key
+        raw.setdefault(section, {})[k] = value
+    return from_dict(raw, where="recipes/tiny.yaml")
+
+
+@pytest.mark.parametrize("prefix,fld", _bounded_fields(), ids=lambda x: getattr(x, "name", x))
+def test_every_bounded_field_refuses_a_value_outside_and_takes_its_edges(prefix, fld):
+    """A value outside a field's stated range is one message naming the file, the key, the value and the range,
+    at load, before any stage starts (plan.nodes=0 was a ZeroDivisionError, train.warmup_ratio=3 three warmup
+    steps to transformers 5, train.lr=-1 gradient ascent). The edges themselves load."""
+    b = fld.metadata["valid"]
+    integer = fld.type in ("int", "Optional[int]")
+    step, cast = (1, int) if integer else (0.5, float)
+    below = cast(b.lo if b.lo_open else b.lo - step)
+    with pytest.raises(RecipeError) as e:
+        _tiny_with(prefix, fld.name, below)
+    assert str(e.value) == f"recipes/tiny.yaml: {prefix}.{fld.name}={below!r}: must be {b}.", str(e.value)
+    if b.hi is not None:
+        above = cast(b.hi if b.hi_open else b.hi + step)
+        with pytest.raises(RecipeError, match=rf"{re.escape(fld.name)}={above!r}: must be {re.escape(str(b))}\.$"):
+            _tiny_with(prefix, fld.name, above)
+    inside = [v for v in (b.lo, b.hi) if v is not None and v in b] or [b.lo + step]
+    for v in inside:
+        if prefix == "eval.sets[0]" and fld.name == "max_new_tokens" and v > 1024:
+            continue  # the serve.max_tokens cross-check, not this bound
+        r = _tiny_with(prefix, fld.name, cast(v))
+        assert r is not None
+
+
+def test_every_number_states_its_range_or_why_it_has_none():
+    """A new numeric field gets a Bound, or a line here saying why any value is valid."""
+    import dataclasses
+
+    from zerotune.config import _SECTION_CLASSES, EvalSetCfg, ReplayCfg, SourceCfg
+
+    any_value = {"model.init_seed", "data.seed", "train.seed",  # seeds
+                 "train.max_steps",  # <= 0: epochs decide
+                 "preference.label_smoothing"}  # its range depends on preference.loss: _validate_preference
+    where = {**_SECTION_CLASSES, "data.replay": ReplayCfg, "data.sources[0]": SourceCfg, "eval.sets[0]": EvalSetCfg}
+    numbers = {f"{p}.{f.name}" for p, cls in where.items() for f in dataclasses.fields(cls)
+               if any(t in str(f.type) for t in ("int", "float"))}
+    bounded = {f"{p}.{f.name}" for p, f in _bounded_fields()}
+    assert numbers - bounded == any_value, numbers - bounded - any_value
+
+
+def test_bounds_are_printed_by_explain():
+    from zerotune.config import explain
+
+    text = explain()
+    assert "Fraction of steps spent warming up (in [0, 1))" in text and "Peak learning rate (> 0)" in text
+    assert all(str(f.metadata["valid"]) in text for _, f in _bounded_fields())
 
 
 def test_heldout_prompts_are_declared_one_way_data_heldout_or_eval_sets():

@@ -146,7 +146,7 @@ def test_the_recipe_refuses_what_dpo_cannot_do(tmp_path, tokenizer_dir):
              ({"sources": pairs}, {"peft": {"method": "lora"}}, "not supported yet"),
              ({"sources": pairs}, {"preference": {"method": "dpo", "loss": "robust", "label_smoothing": 0.6}},
               "robust takes [0, 0.5)"),
-             ({"sources": pairs}, {"preference": {"method": "dpo", "nll_alpha": -1}}, "nll_alpha at least 0")]
+             ({"sources": pairs}, {"preference": {"method": "dpo", "nll_alpha": -1}}, "nll_alpha=-1.0: must be >= 0")]
     for data, extra, says in cases:
         raw = {"name": "t", "model": {"init_config": "configs/models/tiny_llama31.json", "tokenizer": str(tokenizer_dir)},
                "data": {"packing": False, **data}, "preference": {"method": "dpo"}, **extra}

@@ -50,7 +50,7 @@ def test_replay_keys_are_typed_and_checked():
     assert load_recipe("smollm2", ["data.replay=null"]).data.replay is None
     with pytest.raises(RecipeError, match="Did you mean 'ratio'"):
         load_recipe("smollm2", ["data.replay.ration=0.3"])
-    with pytest.raises(RecipeError, match=r"ratio must be in \(0, 1\)"):
+    with pytest.raises(RecipeError, match=r"data.replay.ratio=1.0: must be in \(0, 1\)"):
         load_recipe("smollm2", ["data.replay.ratio=1"])
     with pytest.raises(RecipeError, match="initialised at random"):  # a random model has nothing to replay
         load_recipe("tiny", ["data.replay.path=data/general/prompts.jsonl"])

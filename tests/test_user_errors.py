@@ -130,7 +130,7 @@ def test_serve_without_a_gguf(tmp_path, capfd):
 
 def test_serve_limits_out_of_range(tmp_path, capfd):
     rc, _, err = run_main(capfd, "serve", "tiny", f"output_dir={tmp_path}", "serve.max_queue=-1")
-    assert_one_message(rc, err, "serve.max_queue=-1", "max_queue at least 0")
+    assert_one_message(rc, err, "serve.max_queue=-1: must be >= 0")
 
 
 def test_unknown_plan_gpu_is_a_user_error(tmp_path, capfd):

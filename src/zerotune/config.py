@@ -34,10 +34,36 @@ class RecipeError(UserError, ValueError):
     """A recipe or override is invalid; the message says where and what to do."""
 
 
-def _f(default, help: str, **kw):
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric field takes, stated on the field: checked when a recipe loads (one line naming the
+    key, never a crash or a silently different run later: a warmup_ratio of 3 would be 3 steps to transformers)
+    and printed by `zerotune explain`."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, v) -> bool:
+        return ((self.lo is None or (v > self.lo if self.lo_open else v >= self.lo))
+                and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)))
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+POSITIVE, AT_LEAST_1, NON_NEGATIVE = Bound(0, lo_open=True), Bound(1), Bound(0)
+FRACTION, FRACTION_BELOW_1 = Bound(0, 1), Bound(0, 1, hi_open=True)
+GPU_LAYERS = Bound(-1)  # -1 = every layer
+
+
+def _f(default, help: str, valid: Bound | None = None, **kw):
+    meta = {"help": help, "valid": valid}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
 
 
 @dataclass
@@ -57,7 +83,7 @@ _MESSAGE_FORMATS = ", ".join(f.name for f in FORMATS.values() if f.message_keys)
 class SourceCfg:
     path: str = _f("", "Local file (.jsonl/.json/.parquet/.csv) or hub dataset id")
     format: FormatName = _f("messages", "Row format (docs/data.md): " + "; ".join(f"{f.name} = {f.what}" for f in FORMATS.values()))
-    weight: float = _f(1.0, "Mixture weight: fraction of this source's rows to use (>1 repeats rows)")
+    weight: float = _f(1.0, "Mixture weight: fraction of this source's rows to use (>1 repeats rows)", POSITIVE)
     split: str = _f("train", "Split, for hub datasets")
     name: Optional[str] = _f(None, "Config name, for hub datasets")
     revision: Optional[str] = _f(None, "Revision, for hub datasets")
@@ -69,38 +95,38 @@ class SourceCfg:
 @dataclass
 class ReplayCfg:
     path: str = _f("", "JSONL of general chat prompts ({messages: [...]}, ending with a user turn), disjoint from every eval set; the base model answers each once")
-    ratio: float = _f(0.2, "Replay conversations as a fraction of all training documents (0.2 = one in five); prompts repeat when the set is smaller")
-    max_new_tokens: int = _f(128, "Greedy tokens per answer; an answer cut off at this length is trained without its end-of-turn token")
-    limit: Optional[int] = _f(None, "Answer only the first N prompts; null = all")
+    ratio: float = _f(0.2, "Replay conversations as a fraction of all training documents (0.2 = one in five); prompts repeat when the set is smaller", Bound(0, 1, lo_open=True, hi_open=True))
+    max_new_tokens: int = _f(128, "Greedy tokens per answer; an answer cut off at this length is trained without its end-of-turn token", AT_LEAST_1)
+    limit: Optional[int] = _f(None, "Answer only the first N prompts; null = all", AT_LEAST_1)
 
 
 @dataclass
 class DataCfg:
     sources: list = _f([], "List of sources (see SourceCfg)")
     heldout: Optional[str] = _f(None, "JSONL of held-out chat prompts with reference answers, scored exact by check and eval: the short form of one eval set (set one of the two, not both)")
-    seq_len: int = _f(2048, "Tokens per packed sequence (or max length unpacked)")
+    seq_len: int = _f(2048, "Tokens per packed sequence (or max length unpacked)", AT_LEAST_1)
     packing: bool = _f(True, "Pack documents into seq_len bins (best-fit decreasing); False = one row per document, length-grouped batches padded per batch")
     loss_on: Literal["all_assistant", "last_assistant"] = _f("all_assistant", "Which assistant turns carry loss")
     overlong: Literal["truncate", "drop"] = _f("truncate", "What to do with samples longer than seq_len")
     on_bad_sample: Literal["error", "skip"] = _f("error", "Stop at a malformed row, or skip it and count it in the manifest")
-    num_proc: int = _f(1, "Processes for tokenization")
-    eval_fraction: float = _f(0.0, "Fraction of rows held out as validation documents")
+    num_proc: int = _f(1, "Processes for tokenization", AT_LEAST_1)
+    eval_fraction: float = _f(0.0, "Fraction of rows held out as validation documents", FRACTION_BELOW_1)
     seed: int = _f(0, "Shuffle/mixture seed")
     replay: Optional[ReplayCfg] = _f(None, "Self-distilled replay: the base model's own greedy answers to general prompts, mixed into training so the fine-tune keeps its behaviour off-task (see ReplayCfg); null = off")
 
 
 @dataclass
 class TrainCfg:
-    global_batch_tokens: int = _f(65536, "Tokens per optimizer step (all ranks, all accumulation steps); GA is derived from it")
-    micro_batch_size: int = _f(1, "Sequences per rank per forward pass")
-    epochs: float = _f(1.0, "Passes over the prepared data")
+    global_batch_tokens: int = _f(65536, "Tokens per optimizer step (all ranks, all accumulation steps); GA is derived from it", AT_LEAST_1)
+    micro_batch_size: int = _f(1, "Sequences per rank per forward pass", AT_LEAST_1)
+    epochs: float = _f(1.0, "Passes over the prepared data", POSITIVE)
     max_steps: int = _f(-1, "Optimizer steps; overrides epochs when > 0")
-    lr: float = _f(2e-5, "Peak learning rate")
-    min_lr_ratio: float = _f(0.1, "Final LR as a fraction of peak (cosine)")
-    warmup_ratio: float = _f(0.03, "Fraction of steps spent warming up")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    adam_beta2: float = _f(0.95, "AdamW beta2")
-    max_grad_norm: float = _f(1.0, "Gradient clipping")
+    lr: float = _f(2e-5, "Peak learning rate", POSITIVE)
+    min_lr_ratio: float = _f(0.1, "Final LR as a fraction of peak (cosine)", FRACTION)
+    warmup_ratio: float = _f(0.03, "Fraction of steps spent warming up", FRACTION_BELOW_1)
+    weight_decay: float = _f(0.0, "AdamW weight decay", NON_NEGATIVE)
+    adam_beta2: float = _f(0.95, "AdamW beta2", FRACTION_BELOW_1)
+    max_grad_norm: float = _f(1.0, "Gradient clipping", NON_NEGATIVE)
     precision: Literal["auto", "fp32", "fp16", "bf16"] = _f("auto", "auto = bf16 on sm80+, fp16 on V100/T4, fp32 on CPU")
     attention: Literal["auto", "sdpa_docs", "sdpa", "eager", "flash_attention_2"] = _f("auto", "auto = flash_attention_2 on sm80+ when installed, else sdpa_docs (SDPA per document of a packed row, no S x S mask); sdpa = SDPA with transformers' dense block-causal mask")
     liger: Literal["auto", "on", "off"] = _f("auto", "Liger kernels: auto = on with a CUDA GPU, off on CPU")
@@ -108,25 +134,25 @@ class TrainCfg:
     deepspeed: Optional[str] = _f("configs/deepspeed/zero3.json", "DeepSpeed JSON (Trainer-owned values stay 'auto'); null = no DeepSpeed")
     zero: dict = _f({}, "Overrides merged into zero_optimization (memory knobs, offload)")
     seed: int = _f(42, "Training seed")
-    logging_steps: int = _f(1, "Log every N optimizer steps")
-    eval_steps: int = _f(0, "Validation loss (+ eval.samples answers) every N optimizer steps; 0 = only at the end. Needs data.eval_fraction > 0")
-    save_steps: int = _f(0, "Checkpoint every N optimizer steps (0 = only at the end)")
-    save_total_limit: int = _f(2, "Checkpoints to keep")
+    logging_steps: int = _f(1, "Log every N optimizer steps", AT_LEAST_1)
+    eval_steps: int = _f(0, "Validation loss (+ eval.samples answers) every N optimizer steps; 0 = only at the end. Needs data.eval_fraction > 0", NON_NEGATIVE)
+    save_steps: int = _f(0, "Checkpoint every N optimizer steps (0 = only at the end)", NON_NEGATIVE)
+    save_total_limit: int = _f(2, "Committed checkpoints to keep; 0 = all", NON_NEGATIVE)
     report_to: Literal["none", "wandb"] = _f("none", "Experiment tracker (wandb runs offline without an API key)")
-    cpu_procs: int = _f(2, "Processes to launch when no GPU is visible (CPU runs only)")
+    cpu_procs: int = _f(2, "Processes to launch when no GPU is visible (CPU runs only)", AT_LEAST_1)
 
 
 @dataclass
 class PeftCfg:
     method: Literal["none", "lora", "qlora"] = _f("none", "none = full fine-tuning; lora = low-rank adapters on a 16-bit base (works with ZeRO-3); qlora = adapters on a 4-bit NF4 base (bitsandbytes, no DeepSpeed)")
-    r: int = _f(16, "LoRA rank")
-    alpha: float = _f(32.0, "LoRA alpha (the update is scaled by alpha / r)")
-    dropout: float = _f(0.05, "LoRA dropout")
+    r: int = _f(16, "LoRA rank", AT_LEAST_1)
+    alpha: float = _f(32.0, "LoRA alpha (the update is scaled by alpha / r)", POSITIVE)
+    dropout: float = _f(0.05, "LoRA dropout", FRACTION_BELOW_1)
     target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                               "Module names that get adapters ('all-linear' as the single entry = every linear layer but lm_head)")
     modules_to_save: list = _f([], "Modules trained in full beside the adapters and saved with them, e.g. [embed_tokens, lm_head]")
     optim: str = _f("auto", "Trainer optimizer when peft is on: auto = adamw_torch; e.g. paged_adamw_8bit for QLoRA on a GPU (bitsandbytes)")
-    merge_atol: float = _f(1e-3, "Max |logit diff| allowed between the merged model and base + adapter when publishing (fp32 merge)")
+    merge_atol: float = _f(1e-3, "Max |logit diff| allowed between the merged model and base + adapter when publishing (fp32 merge)", POSITIVE)
 
 
 # DPO's loss variants: the formulas of liger-kernel's LigerFusedLinearDPOFunction.preference_loss_fn (preference/loss.py)
@@ -138,11 +164,11 @@ PREFERENCE_LOSSES = ("sigmoid", "hinge", "robust", "exo_pair", "nca_pair", "bco_
 @dataclass
 class PreferenceCfg:
     method: Literal["none", "dpo"] = _f("none", "none = supervised fine-tuning on chat data; dpo = Direct Preference Optimization on chosen/rejected pairs (pair formats, docs/training.md#preference-tuning-dpo)")
-    beta: float = _f(0.1, "DPO's beta: how far the policy may move from the reference (the starting model); the reward of a completion is beta x (log pi - log pi_ref)")
+    beta: float = _f(0.1, "DPO's beta: how far the policy may move from the reference (the starting model); the reward of a completion is beta x (log pi - log pi_ref)", POSITIVE)
     loss: Literal[PREFERENCE_LOSSES] = _f("sigmoid", "DPO loss variant (liger-kernel's formulas): " + ", ".join(PREFERENCE_LOSSES) + "; sigmoid = the DPO paper's -log sigmoid(beta x margin)")
     label_smoothing: float = _f(0.0, "loss robust: the assumed fraction of flipped preference labels, in [0, 0.5); exo_pair: its epsilon, > 0")
-    nll_alpha: float = _f(0.0, "Weight of the chosen completions' mean token NLL added to the DPO loss (RPO; TRL's rpo_alpha, Liger's alpha): keeps DPO from lowering the likelihood of what chosen and rejected share; 0 = plain DPO")
-    chunk_tokens: int = _f(1024, "Completion tokens whose vocabulary-wide logits are alive at once in the fused DPO loss (memory: chunk x vocab x ~12 B)")
+    nll_alpha: float = _f(0.0, "Weight of the chosen completions' mean token NLL added to the DPO loss (RPO; TRL's rpo_alpha, Liger's alpha): keeps DPO from lowering the likelihood of what chosen and rejected share; 0 = plain DPO", NON_NEGATIVE)
+    chunk_tokens: int = _f(1024, "Completion tokens whose vocabulary-wide logits are alive at once in the fused DPO loss (memory: chunk x vocab x ~12 B)", AT_LEAST_1)
 
 
 QuantName = Literal[tuple(QUANT_TYPES)]  # one list of types: the table in quant_types.py
@@ -155,13 +181,13 @@ class QuantizeCfg:
 
 @dataclass
 class CheckCfg:
-    max_new_tokens: int = _f(32, "Greedy tokens per held-out prompt")
-    accuracy_margin: float = _f(0.02, "GGUF score may trail the HF score on each held-out set by at most this (or one answer of the set, whichever is larger)")
-    max_kl: Optional[float] = _f(None, "Max mean KL(HF||GGUF) nats/token; null = default for the quant type")
-    min_top1: Optional[float] = _f(None, "Min top-1 agreement; null = default for the quant type")
-    n_ctx: int = _f(8192, "Context length for the T4 fit report")
-    n_kl_texts: int = _f(16, "Held-out documents used for KL / top-1 / perplexity")
-    n_gpu_layers: int = _f(0, "Layers llama.cpp offloads to the GPU during check (-1 = all, e.g. on a T4)")
+    max_new_tokens: int = _f(32, "Greedy tokens per held-out prompt", AT_LEAST_1)
+    accuracy_margin: float = _f(0.02, "GGUF score may trail the HF score on each held-out set by at most this (or one answer of the set, whichever is larger)", FRACTION)
+    max_kl: Optional[float] = _f(None, "Max mean KL(HF||GGUF) nats/token; null = default for the quant type", NON_NEGATIVE)
+    min_top1: Optional[float] = _f(None, "Min top-1 agreement; null = default for the quant type", FRACTION)
+    n_ctx: int = _f(8192, "Context length for the T4 fit report", AT_LEAST_1)
+    n_kl_texts: int = _f(16, "Held-out documents used for KL / top-1 / perplexity", AT_LEAST_1)
+    n_gpu_layers: int = _f(0, "Layers llama.cpp offloads to the GPU during check (-1 = all, e.g. on a T4)", GPU_LAYERS)
 
 
 # One list of scorer names: the table in scorers.py.
@@ -174,33 +200,33 @@ class EvalSetCfg:
     path: str = _f("", "JSONL of {messages: [chat prompt], answer: reference} rows (+ optional per-row pattern)")
     scorer: ScorerName = _f("exact", "How an answer is compared with the reference: " + ", ".join(SCORERS))
     pattern: Optional[str] = _f(None, "scorer regex: group 1 is the extracted answer (a row's own pattern wins)")
-    max_new_tokens: int = _f(32, "Greedy tokens per prompt")
-    max_drop: Optional[float] = _f(None, "Fine-tuned HF may score at most this much below the base model (check enforces it); null = no gate")
+    max_new_tokens: int = _f(32, "Greedy tokens per prompt", AT_LEAST_1)
+    max_drop: Optional[float] = _f(None, "Fine-tuned HF may score at most this much below the base model (check enforces it); null = no gate", FRACTION)
     forbid: Optional[str] = _f(None, "Sets after the first: a regex (re.search) marking an answer as leaked; replaces the leak test of the first set's scorer (json_valid/json_fields: the answer is JSON); null = that test")
-    max_leakage: Optional[float] = _f(None, "Sets after the first: fine-tuned HF and GGUF may answer at most this fraction in the task's format (check and eval enforce it); null = no gate")
-    limit: Optional[int] = _f(None, "Score only the first N rows; null = all")
+    max_leakage: Optional[float] = _f(None, "Sets after the first: fine-tuned HF and GGUF may answer at most this fraction in the task's format (check and eval enforce it); null = no gate", FRACTION)
+    limit: Optional[int] = _f(None, "Score only the first N rows; null = all", AT_LEAST_1)
 
 
 @dataclass
 class EvalCfg:
     sets: list = _f([], "Held-out sets scored by check and `zerotune eval` (base vs fine-tuned HF vs GGUF), see EvalSetCfg; empty = data.heldout scored exact (set one of the two, not both)")
-    samples: int = _f(4, "Held-out prompts (first set) answered greedily at each in-training evaluation; 0 = none")
-    batch_size: int = _f(8, "Prompts the HF models answer per generate() call in check, eval and data.replay (left-padded; the same greedy answers as one at a time)")
+    samples: int = _f(4, "Held-out prompts (first set) answered greedily at each in-training evaluation; 0 = none", NON_NEGATIVE)
+    batch_size: int = _f(8, "Prompts the HF models answer per generate() call in check, eval and data.replay (left-padded; the same greedy answers as one at a time)", AT_LEAST_1)
     lm_eval_tasks: list = _f([], "lm-evaluation-harness tasks run by `zerotune eval`; zerotune_heldout = the local task built from the first set")
-    lm_eval_limit: Optional[int] = _f(None, "lm-eval: examples per task; null = all")
+    lm_eval_limit: Optional[int] = _f(None, "lm-eval: examples per task; null = all", AT_LEAST_1)
     pairs: Optional[dict] = _f(None, "Held-out preference pairs scored by eval and check (a source: path, format, columns, roles): preference accuracy of the starting and the tuned model, the tuned model's reward accuracy and margin over the start; null = none")
 
 
 @dataclass
 class ServeCfg:
     host: str = _f("127.0.0.1", "Bind address (loopback by default)")
-    port: int = _f(8000, "Port")
-    n_ctx: int = _f(4096, "Context length")
-    n_gpu_layers: int = _f(0, "Layers offloaded to GPU (-1 = all)")
+    port: int = _f(8000, "Port", Bound(1, 65535))
+    n_ctx: int = _f(4096, "Context length", AT_LEAST_1)
+    n_gpu_layers: int = _f(0, "Layers offloaded to GPU (-1 = all)", GPU_LAYERS)
     api_key: Optional[str] = _f(None, "Require this bearer token (better: ZEROTUNE_API_KEY in the environment)")
-    max_request_kb: int = _f(1024, "Largest request body in KiB; a larger one gets 413")
-    max_tokens: int = _f(1024, "Most tokens one answer may ask for (more is a 400); a chat request without max_tokens gets this many at most")
-    max_queue: int = _f(16, "Requests that may wait while the model answers another (it answers one at a time); more get 429 with Retry-After")
+    max_request_kb: int = _f(1024, "Largest request body in KiB; a larger one gets 413", AT_LEAST_1)
+    max_tokens: int = _f(1024, "Most tokens one answer may ask for (more is a 400); a chat request without max_tokens gets this many at most", AT_LEAST_1)
+    max_queue: int = _f(16, "Requests that may wait while the model answers another (it answers one at a time); more get 429 with Retry-After", NON_NEGATIVE)
 
 
 GPUName = Literal[tuple(GPUS)]  # one table of GPUs: hardware.py
@@ -209,10 +235,10 @@ GPUName = Literal[tuple(GPUS)]  # one table of GPUs: hardware.py
 @dataclass
 class PlanCfg:
     gpu: GPUName = _f("cpu", "Target accelerator for the plan and dry-run: " + ", ".join(GPUS))
-    gpus_per_node: int = _f(2, "Processes (GPUs) per node on the target cluster")
-    nodes: int = _f(1, "Nodes on the target cluster")
-    cpu_ram_gb: float = _f(24, "CPU RAM per node, GB")
-    mfu: Optional[float] = _f(None, "Assumed efficiency of the compute kernels alone: executed FLOPs (recompute and masked attention included) / peak; not the training log's MFU (6N + causal attention, no recompute); null = default for the GPU")
+    gpus_per_node: int = _f(2, "Processes (GPUs) per node on the target cluster", AT_LEAST_1)
+    nodes: int = _f(1, "Nodes on the target cluster", AT_LEAST_1)
+    cpu_ram_gb: float = _f(24, "CPU RAM per node, GB", POSITIVE)
+    mfu: Optional[float] = _f(None, "Assumed efficiency of the compute kernels alone: executed FLOPs (recompute and masked attention included) / peak; not the training log's MFU (6N + causal attention, no recompute); null = default for the GPU", Bound(0, 1, lo_open=True))
 
 
 @dataclass
@@ -316,12 +342,15 @@ def _build(cls, raw: dict, where: str):
     if not isinstance(raw, dict):
         raise RecipeError(f"{where}: expected a mapping, got {raw!r}.")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
-        if key not in names:
-            raise RecipeError(f"{where}: unknown key '{key}'.{_suggest(key, names)}")
+        if key not in fields:
+            raise RecipeError(f"{where}: unknown key '{key}'.{_suggest(key, fields)}")
         kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
+        bound = fields[key].metadata.get("valid")
+        if bound is not None and kwargs[key] is not None and kwargs[key] not in bound:
+            raise RecipeError(f"{where}.{key}={kwargs[key]!r}: must be {bound}.")
     return cls(**kwargs)
 
 
@@ -356,8 +385,6 @@ def _build_eval_set(raw: Any, where: str) -> EvalSetCfg:
     es = _build(EvalSetCfg, raw, where)
     if not es.name or not es.path:
         raise RecipeError(f"{where}: every eval set needs a name and a path (JSONL with messages + answer).")
-    if es.max_new_tokens <= 0 or any(x is not None and not 0 <= x <= 1 for x in (es.max_drop, es.max_leakage)):
-        raise RecipeError(f"{where}: max_new_tokens must be positive, max_drop and max_leakage in [0, 1].")
     if es.forbid is not None:
         try:
             re.compile(es.forbid)
@@ -426,11 +453,7 @@ def from_dict(raw: dict, where: str = "recipe") -> Recipe:
 def _validate(r: Recipe, where: str) -> None:
     if r.model.name_or_path is None and r.model.init_config is None:
         raise RecipeError(f"{where}: model needs name_or_path (pretrained) or init_config (from scratch).")
-    if r.data.seq_len <= 0 or r.train.micro_batch_size <= 0 or r.train.global_batch_tokens <= 0:
-        raise RecipeError(f"{where}: data.seq_len, train.micro_batch_size and train.global_batch_tokens must be positive.")
-    if not 0 <= r.data.eval_fraction < 1:
-        raise RecipeError(f"{where}: data.eval_fraction must be in [0, 1).")
-    if r.train.eval_steps < 0 or (r.train.eval_steps > 0 and r.data.eval_fraction == 0):
+    if r.train.eval_steps > 0 and r.data.eval_fraction == 0:
         raise RecipeError(f"{where}: train.eval_steps={r.train.eval_steps} needs a validation split: set "
                           f"data.eval_fraction > 0 (e.g. 0.02), or train.eval_steps: 0.")
     if r.data.replay is not None:
@@ -438,26 +461,16 @@ def _validate(r: Recipe, where: str) -> None:
         if not rp.path:
             raise RecipeError(f"{where}: data.replay.path: name a JSONL of general prompts (e.g. "
                               f"data/general/prompts.jsonl), or set data.replay: null.")
-        if not 0 < rp.ratio < 1 or rp.max_new_tokens <= 0 or (rp.limit is not None and rp.limit <= 0):
-            raise RecipeError(f"{where}: data.replay: ratio must be in (0, 1), max_new_tokens and limit positive "
-                              f"(got ratio {rp.ratio}, max_new_tokens {rp.max_new_tokens}, limit {rp.limit}).")
         if not r.model.name_or_path:
             raise RecipeError(f"{where}: data.replay replays the base model's own answers, but this model is "
                               f"initialised at random (model.init_config): set model.name_or_path to a pretrained "
                               f"model, or data.replay: null.")
-    sv = r.serve
-    if sv.max_request_kb < 1 or sv.max_tokens < 1 or sv.max_queue < 0:
-        raise RecipeError(f"{where}: serve.max_request_kb={sv.max_request_kb}, serve.max_tokens={sv.max_tokens}, "
-                          f"serve.max_queue={sv.max_queue}: the first two must be at least 1, max_queue at least 0 "
-                          f"(0 = no request waits).")
     longest = max((s for s in r.eval.sets), key=lambda s: s.max_new_tokens, default=None)
-    if longest is not None and longest.max_new_tokens > sv.max_tokens:
+    if longest is not None and longest.max_new_tokens > r.serve.max_tokens:
         # lm-evaluation-harness asks zerotune's server for the GGUF's answers: the server would refuse them
         raise RecipeError(f"{where}: eval.sets[{longest.name}].max_new_tokens={longest.max_new_tokens} is more than "
-                          f"serve.max_tokens={sv.max_tokens}, which the server enforces (zerotune eval asks it for "
+                          f"serve.max_tokens={r.serve.max_tokens}, which the server enforces (zerotune eval asks it for "
                           f"the GGUF's lm-eval answers): raise serve.max_tokens or lower max_new_tokens.")
-    if r.eval.batch_size < 1:
-        raise RecipeError(f"{where}: eval.batch_size={r.eval.batch_size}: must be at least 1 (prompts per generate call).")
     if len({s.name for s in r.eval.sets}) != len(r.eval.sets):
         raise RecipeError(f"{where}: eval.sets names must be unique.")
     if r.data.heldout and r.eval.sets:
@@ -467,8 +480,6 @@ def _validate(r: Recipe, where: str) -> None:
                           f"is scored: list it in eval.sets ({{name: heldout, path: {r.data.heldout}, scorer: "
                           f"exact}}) and set data.heldout: null, or set data.heldout alone.")
     if r.peft.method != "none":
-        if r.peft.r <= 0 or r.peft.alpha <= 0 or not 0 <= r.peft.dropout < 1:
-            raise RecipeError(f"{where}: peft.r and peft.alpha must be positive and peft.dropout in [0, 1).")
         if not r.peft.target_modules or not all(isinstance(m, str) for m in r.peft.target_modules):
             raise RecipeError(f"{where}: peft.target_modules must be a non-empty list of module names.")
         if not all(isinstance(m, str) for m in r.peft.modules_to_save):
@@ -498,10 +509,6 @@ def _validate_preference(r: Recipe, where: str) -> None:
         if r.peft.method != "none":
             raise RecipeError(f"{where}: preference.method={p.method} with peft.method={r.peft.method} is not "
                               f"supported yet (tested: full fine-tuning); set peft.method: none.")
-        if p.beta <= 0 or p.chunk_tokens < 1 or p.nll_alpha < 0:
-            raise RecipeError(f"{where}: preference.beta must be positive, preference.nll_alpha at least 0 and "
-                              f"preference.chunk_tokens at least 1 (got beta {p.beta}, nll_alpha {p.nll_alpha}, "
-                              f"chunk_tokens {p.chunk_tokens}).")
         smoothing_ok = {"robust": 0 <= p.label_smoothing < 0.5, "exo_pair": 0 < p.label_smoothing < 1}
         if not smoothing_ok.get(p.loss, p.label_smoothing == 0):
             raise RecipeError(f"{where}: preference.label_smoothing={p.label_smoothing} with preference.loss={p.loss}: "
@@ -531,17 +538,22 @@ def resolve_path(p: str | None) -> Path | None:
     return q if q.is_absolute() else REPO_ROOT / q
 
 
+def _help(f: dataclasses.Field) -> str:
+    valid = f.metadata.get("valid")
+    return f.metadata.get("help", "") + (f" ({valid})" if valid else "")
+
+
 def explain() -> str:
     lines = []
     for section, cls in _SECTION_CLASSES.items():
         lines.append(f"{section}:")
         for f in dataclasses.fields(cls):
             d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {f.name}: {d!r:<12} # {f.metadata.get('help', '')}")
+            lines.append(f"  {f.name}: {d!r:<12} # {_help(f)}")
             sub = {("eval", "sets"): ("- ", EvalSetCfg), ("data", "replay"): ("", ReplayCfg),
                    ("data", "sources"): ("- ", SourceCfg), ("eval", "pairs"): ("", SourceCfg)}.get((section, f.name))
             if sub:  # typed items and sub-sections: show their fields too
                 for g in dataclasses.fields(sub[1]):
                     gd = g.default if g.default is not dataclasses.MISSING else g.default_factory()
-                    lines.append(f"    {sub[0]}{g.name}: {gd!r:<10} # {g.metadata.get('help', '')}")
+                    lines.append(f"    {sub[0]}{g.name}: {gd!r:<10} # {_help(g)}")
     return "\n".join(lines)

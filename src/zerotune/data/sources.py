@@ -197,8 +197,6 @@ def mixture_plan(sources: list[SourceCfg], seed: int) -> list[dict]:
     rng = np.random.default_rng(seed)
     plan = []
     for idx, src in enumerate(sources):
-        if src.weight <= 0:
-            raise SourceError(f"data.sources[{idx}] ({src.path}): weight must be > 0, got {src.weight}.")
         n = count_rows(src, idx)
         whole = int(math.floor(src.weight))
         frac = src.weight - whole
