@@ -181,12 +181,46 @@ def test_worker_user_error_under_torchrun_is_reported_once(tmp_path):
     """The batch only fails once the world size is known, i.e. in every torchrun worker."""
     prep = zt("data", "tiny", f"output_dir={tmp_path}")
     assert prep.returncode == 0, prep.stderr[-2000:]
+    # a held-out file that is not there is refused before any worker starts, not at the end of training, where
+    # the last step's samples read it (and check after)
+    proc = zt("finetune", "tiny", f"output_dir={tmp_path}", f"data.heldout={tmp_path / 'nope.jsonl'}")
+    assert_one_message(proc.returncode, proc.stderr, f"eval set 'heldout': {tmp_path / 'nope.jsonl'} not found")
+    assert "launching" not in proc.stdout and not (tmp_path / "train" / "recipe.resolved.yaml").exists()
     proc = zt("finetune", "tiny", f"output_dir={tmp_path}", "train.global_batch_tokens=1000", timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 2, log[-3000:]
     assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
     assert_one_message(2, proc.stderr, "train.global_batch_tokens=1,000 is not a multiple", "Nearest valid")
     assert json.loads((tmp_path / "train" / "error.json").read_text())["type"] == "BatchError"
+
+
+def test_an_output_dir_that_cannot_be_made_is_one_message(tmp_path, capfd):
+    (tmp_path / "file").write_text("")
+    rc, _, err = run_main(capfd, "data", "tiny", f"output_dir={tmp_path / 'file' / 'run'}")
+    assert_one_message(rc, err, f"output_dir: cannot create {tmp_path / 'file' / 'run'}", "set output_dir")
+
+
+@pytest.mark.parametrize("content,says", [(None, "No such file"), ("# not json", "not a readable model config.json"),
+                                          ("[1, 2]", "holds a JSON object, not list")])
+def test_a_bad_init_config_is_one_message(tmp_path, capfd, content, says):
+    cfg = tmp_path / "config.json"
+    if content is not None:
+        cfg.write_text(content)
+    rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path}", f"model.init_config={cfg}")
+    assert_one_message(rc, err, f"{cfg}:", says, "model.init_config")
+
+
+def test_a_tokenizer_folder_without_a_tokenizer_is_one_message(tmp_path, capfd):
+    (tmp_path / "tok").mkdir()
+    rc, _, err = run_main(capfd, "data", "tiny", f"output_dir={tmp_path / 'run'}", f"model.tokenizer={tmp_path / 'tok'}")
+    assert_one_message(rc, err, f"model.tokenizer: no tokenizer loads from {tmp_path / 'tok'}", "tokenizer.json")
+
+
+def test_overrides_may_follow_a_flag(tmp_path, capfd):
+    """make inspect ARGS="--n 4 data.seq_len=512" puts an override after a flag; argparse's plain parse_args
+    refused it ("unrecognized arguments")."""
+    rc, out, _ = run_main(capfd, "plan", "tiny", "--json", f"output_dir={tmp_path}", "data.seq_len=128")
+    assert rc == 0 and json.loads(out)["recipe_config"]["seq_len"] == 128
 
 
 def test_missing_deepspeed_config_names_the_key(tmp_path, capfd):

@@ -40,7 +40,7 @@ def eval_sets(r: Recipe) -> list[EvalSetCfg]:
 def load_rows(es: EvalSetCfg) -> list[dict]:
     path = resolve_path(es.path)
     if path is None or not path.exists():
-        raise MissingInputError(f"eval set '{es.name}': {path} not found (eval.sets[].path); it must be a JSONL of "
+        raise MissingInputError(f"eval set '{es.name}': {path} not found (its path in eval.sets, or data.heldout); it must be a JSONL of "
                                 f"{{\"messages\": [...], \"answer\": \"...\"}} rows.")
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), 1):

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     if "--force" in argv:  # it meant two things before it was split; say which one to use
         return report(UserError("--force is gone: use --rebuild (prepare: rebuild the data cache) or "
                                 "--skip-preflight (train: start although the plan predicts it will not fit)."))
-    args = _parser().parse_args(argv)  # unknown --flags are refused by argparse
+    # intermixed: overrides may follow a flag (make inspect ARGS="--n 4 data.seq_len=512"); unknown --flags are refused
+    args = _parser().parse_intermixed_args(argv)
     silence_known_noise()
     if args.stage == "explain":
         print(explain())
@@ -81,7 +82,22 @@ def _family_first(args, r) -> None:
                             "data` on a GPU with bf16, or on the CPU (CUDA_VISIBLE_DEVICES='').")
 
 
+# stages that write under output_dir
+WRITING_STAGES = {"data", "inspect", "finetune", "quantize", "check", "eval", "plan"}
+
+
+def _output_dir_first(args, r) -> None:
+    """An output_dir that cannot be made is one message before any work, not an OSError deep in a stage."""
+    if args.stage in WRITING_STAGES and not args.dry_run:
+        try:
+            r.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"output_dir: cannot create {r.out} ({e.strerror or e}): set output_dir to a folder "
+                            f"you can write, or leave it out (runs/{r.name}).") from None
+
+
 def _stage(args, r) -> int:
+    _output_dir_first(args, r)
     _family_first(args, r)
     _banner(args, r)
     if args.stage == "fetch":

@@ -190,7 +190,15 @@ def of_config(config) -> Family:
     if isinstance(config, (str, Path)):
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
-        data, where = json.loads(path.read_text()), str(path)
+        try:
+            data, where = json.loads(path.read_text()), str(path)
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path}: not a readable model config.json ({getattr(e, 'strerror', None) or e}): point "
+                            f"model.init_config (or model.name_or_path) at a transformers config, e.g. "
+                            f"configs/models/tiny_llama31.json.") from None
+        if not isinstance(data, dict):
+            raise UserError(f"{path}: a model config.json holds a JSON object, not {type(data).__name__}: point "
+                            f"model.init_config (or model.name_or_path) at a transformers config.")
     elif isinstance(config, dict):
         data, where = config, "the model's config"
     else:

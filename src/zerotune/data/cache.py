@@ -43,7 +43,13 @@ def load_tokenizer(r: Recipe):
            if path is not None and path.is_dir() else None)
     if key in _TOKENIZERS:
         return _TOKENIZERS[key]
-    tok = AutoTokenizer.from_pretrained(src)
+    try:
+        tok = AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError) as e:  # transformers' own "can't load" errors: a folder without tokenizer files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"model.tokenizer: no tokenizer loads from {src} ({first[:200]}). Point it at a folder with "
+                        f"tokenizer.json and tokenizer_config.json, or a hub id (`make setup` fetches the shipped "
+                        f"ones into assets/tokenizer/).") from None
     if not getattr(tok, "is_fast", False):
         raise UserError(f"model.tokenizer: {src} has no fast (Rust) implementation; prepare needs character offsets. "
                          "Fix: provide a tokenizer.json.")

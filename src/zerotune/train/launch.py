@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import errors
 from .. import manifest as mf
+from ..answering import eval_sets, load_rows
 from ..config import Recipe, resolve_path
 from ..data.cache import load_tokenizer, require_prepared
 from ..layout import layout, write_resolved_recipe
@@ -67,6 +68,8 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
     require_kernels()  # a torch wheel without this GPU's architecture fails every CUDA op, after minutes of loading
     require_weights(r)  # on this node, offline: the workers never download (`zerotune fetch` does, beforehand)
     require_prepared(r)  # fail here, in seconds, not after the launch
+    for es in eval_sets(r):  # the end of training answers the first set's prompts (validation._sample_prompts), and
+        load_rows(es)        # check scores them all: a missing file or a bad row fails now, not after the last step
     if world is not None:  # a resume that cannot keep the global batch: its own message, before the plan's
         ckpt = last_committed(layout(r).checkpoints, quiet=True)
         saved = universal.needed(ckpt, world)
