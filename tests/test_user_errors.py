@@ -216,6 +216,13 @@ def test_a_tokenizer_folder_without_a_tokenizer_is_one_message(tmp_path, capfd):
     assert_one_message(rc, err, f"model.tokenizer: no tokenizer loads from {tmp_path / 'tok'}", "tokenizer.json")
 
 
+def test_a_folder_as_a_data_source_names_its_files(tmp_path, capfd):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "part-0.jsonl").write_bytes(good(0))
+    rc, _, err = run_main(capfd, "data", "tiny", f"output_dir={tmp_path / 'run'}", f"data.sources=[{tmp_path / 'shards'}]")
+    assert_one_message(rc, err, "a folder; list its files as sources", f"{tmp_path / 'shards' / 'part-0.jsonl'}")
+
+
 def test_overrides_may_follow_a_flag(tmp_path, capfd):
     """make inspect ARGS="--n 4 data.seq_len=512" puts an override after a flag; argparse's plain parse_args
     refused it ("unrecognized arguments")."""

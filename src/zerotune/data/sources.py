@@ -152,6 +152,11 @@ def _hub_dataset(src: SourceCfg):
 def _local_path(src: SourceCfg) -> Path | None:
     path = resolve_path(src.path)
     if path is not None and path.exists():
+        if path.is_dir():
+            files = sorted(p.name for p in path.iterdir() if p.suffix in LOCAL_SUFFIXES)
+            raise SourceError(f"data source {src.path}: a folder; list its files as sources, one each "
+                              f"(data.sources: [{{path: {src.path.rstrip('/')}/{files[0] if files else 'part-0.jsonl'}}}, "
+                              f"...]){f' ({len(files)} data files there)' if files else ''}.")
         if path.suffix not in LOCAL_SUFFIXES:
             raise SourceError(f"data source {src.path}: unsupported file type '{path.suffix}'. "
                               f"Use one of {list(LOCAL_SUFFIXES)}.")
