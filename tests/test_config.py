@@ -94,15 +94,19 @@ def test_the_plan_gpu_is_validated_against_the_gpu_table_at_load():
     assert {load_recipe("tiny", [f"plan.gpu={g}"]).plan.gpu for g in GPUS} == set(GPUS)
 
 
-def _bounded_fields():
-    """(override prefix, field) for every field that states its valid values, the typed sub-sections included."""
+def _schema_fields():
+    """(override prefix, field) for every field of the schema, the typed sub-sections included."""
     import dataclasses
 
     from zerotune.config import _SECTION_CLASSES, EvalSetCfg, ReplayCfg, SourceCfg
 
-    where = {**{s: c for s, c in _SECTION_CLASSES.items()}, "data.replay": ReplayCfg,
-             "data.sources[0]": SourceCfg, "eval.sets[0]": EvalSetCfg}
-    return [(prefix, f) for prefix, cls in where.items() for f in dataclasses.fields(cls) if f.metadata.get("valid")]
+    where = {**_SECTION_CLASSES, "data.replay": ReplayCfg, "data.sources[0]": SourceCfg, "eval.sets[0]": EvalSetCfg}
+    return [(prefix, f) for prefix, cls in where.items() for f in dataclasses.fields(cls)]
+
+
+def _bounded_fields():
+    """The fields that state their valid values."""
+    return [(prefix, f) for prefix, f in _schema_fields() if f.metadata.get("valid")]
 
 
 def _tiny_with(prefix: str, key: str, value):
@@ -151,16 +155,10 @@ def test_every_bounded_field_refuses_a_value_outside_and_takes_its_edges(prefix,
 
 def test_every_number_states_its_range_or_why_it_has_none():
     """A new numeric field gets a Bound, or a line here saying why any value is valid."""
-    import dataclasses
-
-    from zerotune.config import _SECTION_CLASSES, EvalSetCfg, ReplayCfg, SourceCfg
-
     any_value = {"model.init_seed", "data.seed", "train.seed",  # seeds
                  "train.max_steps",  # <= 0: epochs decide
                  "preference.label_smoothing"}  # its range depends on preference.loss: _validate_preference
-    where = {**_SECTION_CLASSES, "data.replay": ReplayCfg, "data.sources[0]": SourceCfg, "eval.sets[0]": EvalSetCfg}
-    numbers = {f"{p}.{f.name}" for p, cls in where.items() for f in dataclasses.fields(cls)
-               if any(t in str(f.type) for t in ("int", "float"))}
+    numbers = {f"{p}.{f.name}" for p, f in _schema_fields() if any(t in str(f.type) for t in ("int", "float"))}
     bounded = {f"{p}.{f.name}" for p, f in _bounded_fields()}
     assert numbers - bounded == any_value, numbers - bounded - any_value
 
