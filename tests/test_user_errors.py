@@ -197,7 +197,7 @@ def test_worker_user_error_under_torchrun_is_reported_once(tmp_path):
 def test_an_output_dir_that_cannot_be_made_is_one_message(tmp_path, capfd):
     (tmp_path / "file").write_text("")
     rc, _, err = run_main(capfd, "data", "tiny", f"output_dir={tmp_path / 'file' / 'run'}")
-    assert_one_message(rc, err, f"output_dir: cannot create {tmp_path / 'file' / 'run'}", "set output_dir")
+    assert_one_message(rc, err, f"output_dir: cannot create or write in {tmp_path / 'file' / 'run'}", "set output_dir")
 
 
 @pytest.mark.parametrize("content,says", [(None, "No such file"), ("# not json", "not a readable model config.json"),
@@ -221,6 +221,38 @@ def test_a_folder_as_a_data_source_names_its_files(tmp_path, capfd):
     (tmp_path / "shards" / "part-0.jsonl").write_bytes(good(0))
     rc, _, err = run_main(capfd, "data", "tiny", f"output_dir={tmp_path / 'run'}", f"data.sources=[{tmp_path / 'shards'}]")
     assert_one_message(rc, err, "a folder; list its files as sources", f"{tmp_path / 'shards' / 'part-0.jsonl'}")
+
+
+@pytest.mark.parametrize("override,says", [
+    ("train.zero.offload_optimizer=cpu", "train.zero.offload_optimizer='cpu': a mapping, e.g."),  # AttributeError
+    ("train.zero.stage=7", "train.zero.stage=7: must be 0, 1, 2 or 3"),  # planned as 'stage 0' before
+    ("output_dir=", "output_dir: empty; give it a value"),  # wrote into a folder named 'None'
+    ("eval.sets=[{name: a, path: x.jsonl, scorer: regex, pattern: '('}]", "eval.sets[0].pattern: '(' is not a "
+                                                                          "regular expression"),  # after answering
+])
+def test_recipe_values_that_failed_later_are_refused_at_load(tmp_path, capfd, override, says):
+    rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path}", "data.heldout=null", override)
+    assert_one_message(rc, err, says)
+
+
+def test_a_recipe_file_that_is_not_a_mapping_or_not_readable(tmp_path, capfd):
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    rc, _, err = run_main(capfd, "plan", str(tmp_path / "list.yaml"))
+    assert_one_message(rc, err, "a recipe is a YAML mapping of sections", "not a list")
+    (tmp_path / "bytes.yaml").write_bytes(b"\xff\xfe bad")
+    rc, _, err = run_main(capfd, "plan", str(tmp_path / "bytes.yaml"))
+    assert_one_message(rc, err, "cannot be read as a recipe")
+
+
+def test_an_output_dir_that_exists_but_cannot_be_written(tmp_path, capfd):
+    rc, _, err = run_main(capfd, "plan", "tiny", "output_dir=/proc")
+    assert_one_message(rc, err, "output_dir: cannot create or write in /proc")
+
+
+def test_a_missing_path_under_a_local_folder_is_not_sent_to_the_hub(tmp_path, capfd):
+    """data/tiny/trainn (no suffix) went to datasets.load_dataset as a hub id: a FileNotFoundError traceback."""
+    rc, _, err = run_main(capfd, "data", "tiny", f"output_dir={tmp_path}", "data.sources=[data/tiny/trainn]")
+    assert_one_message(rc, err, "data source data/tiny/trainn: file not found")
 
 
 def test_overrides_may_follow_a_flag(tmp_path, capfd):

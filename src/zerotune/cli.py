@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 from .config import explain, load_recipe
 from .errors import UserError, report
@@ -91,8 +92,9 @@ def _output_dir_first(args, r) -> None:
     if args.stage in WRITING_STAGES and not args.dry_run:
         try:
             r.out.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=r.out).close()  # there and writable (a read-only mount, /proc)
         except OSError as e:
-            raise UserError(f"output_dir: cannot create {r.out} ({e.strerror or e}): set output_dir to a folder "
+            raise UserError(f"output_dir: cannot create or write in {r.out} ({e.strerror or e}): set output_dir to a folder "
                             f"you can write, or leave it out (runs/{r.name}).") from None
 
 

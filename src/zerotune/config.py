@@ -301,6 +301,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if sval not in args:
             raise RecipeError(f"{where}: '{value}' is not one of {list(args)}.{_suggest(str(value), args)}")
         return sval
+    if tp is str and value is None:  # `output_dir=` or a bare `key:` would otherwise be the text 'None'
+        raise RecipeError(f"{where}: empty; give it a value, or remove the key for its default.")
     try:
         if tp is bool:
             if isinstance(value, bool):
@@ -385,11 +387,11 @@ def _build_eval_set(raw: Any, where: str) -> EvalSetCfg:
     es = _build(EvalSetCfg, raw, where)
     if not es.name or not es.path:
         raise RecipeError(f"{where}: every eval set needs a name and a path (JSONL with messages + answer).")
-    if es.forbid is not None:
+    for key in ("forbid", "pattern"):
         try:
-            re.compile(es.forbid)
+            re.compile(getattr(es, key) or "")
         except re.error as e:
-            raise RecipeError(f"{where}.forbid: {es.forbid!r} is not a regular expression ({e}).") from None
+            raise RecipeError(f"{where}.{key}: {getattr(es, key)!r} is not a regular expression ({e}).") from None
     return es
 
 
@@ -453,6 +455,13 @@ def from_dict(raw: dict, where: str = "recipe") -> Recipe:
 def _validate(r: Recipe, where: str) -> None:
     if r.model.name_or_path is None and r.model.init_config is None:
         raise RecipeError(f"{where}: model needs name_or_path (pretrained) or init_config (from scratch).")
+    zero = r.train.zero
+    if "stage" in zero and (isinstance(zero["stage"], bool) or zero["stage"] not in (0, 1, 2, 3)):
+        raise RecipeError(f"{where}: train.zero.stage={zero['stage']!r}: must be 0, 1, 2 or 3.")
+    for key in ("offload_optimizer", "offload_param"):
+        if zero.get(key) is not None and not isinstance(zero[key], dict):
+            raise RecipeError(f"{where}: train.zero.{key}={zero[key]!r}: a mapping, e.g. "
+                              f"train.zero.{key}={{device: cpu}}.")
     if r.train.eval_steps > 0 and r.data.eval_fraction == 0:
         raise RecipeError(f"{where}: train.eval_steps={r.train.eval_steps} needs a validation split: set "
                           f"data.eval_fraction > 0 (e.g. 0.02), or train.eval_steps: 0.")
@@ -526,6 +535,11 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecipeError(f"{path}: cannot be read as a recipe ({getattr(e, 'strerror', None) or e}).") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a YAML mapping of sections (model:, data:, train:, ...), not a "
+                          f"{type(raw).__name__}.")
     raw.setdefault("name", path.stem)
     raw = apply_overrides(raw, overrides or [])
     return from_dict(raw, where=str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path))

@@ -161,7 +161,10 @@ def _local_path(src: SourceCfg) -> Path | None:
             raise SourceError(f"data source {src.path}: unsupported file type '{path.suffix}'. "
                               f"Use one of {list(LOCAL_SUFFIXES)}.")
         return path
-    if src.path.endswith(LOCAL_SUFFIXES) or src.path.startswith(("/", ".")):
+    # a hub id is owner/name: a longer path, or one under a local folder, is a local file that is not there
+    first = src.path.split("/")[0]
+    if (src.path.endswith(LOCAL_SUFFIXES) or src.path.startswith(("/", ".")) or src.path.count("/") > 1
+            or (first and (resolve_path(first) or Path()).is_dir())):
         raise SourceError(f"data source {src.path}: file not found (resolved to {path}). "
                           "Fix: check the path (relative paths are relative to the repository root).")
     return None
