@@ -255,6 +255,37 @@ def test_a_missing_path_under_a_local_folder_is_not_sent_to_the_hub(tmp_path, ca
     assert_one_message(rc, err, "data source data/tiny/trainn: file not found")
 
 
+@pytest.mark.parametrize("content,says", [("[1, 2]", "a DeepSpeed config is a JSON object"),
+                                          ('{"zero_optimization": 3}', "whose zero_optimization is an object"),
+                                          (None, "cannot be read (Is a directory)")])
+def test_a_deepspeed_json_of_the_wrong_shape(tmp_path, capfd, content, says):
+    ds = tmp_path / "ds.json"
+    ds.mkdir() if content is None else ds.write_text(content)
+    rc, _, err = run_main(capfd, "plan", "tiny", f"output_dir={tmp_path / 'run'}", f"train.deepspeed={ds}")
+    assert_one_message(rc, err, f"train.deepspeed: {ds}", says)
+
+
+def test_a_corrupt_parquet_source_and_an_unreadable_heldout_file(tmp_path, capfd):
+    (tmp_path / "c.parquet").write_text("not parquet")
+    rc, _, err = run_main(capfd, "data", "tiny", f"output_dir={tmp_path / 'run'}", f"data.sources=[{tmp_path / 'c.parquet'}]")
+    assert_one_message(rc, err, "c.parquet: not a readable Parquet file")
+    from zerotune.answering import eval_sets, load_rows
+    from zerotune.config import load_recipe
+    from zerotune.errors import UserError
+
+    (tmp_path / "heldout.jsonl").write_bytes(b'\xff{"messages": [], "answer": "x"}\n')
+    with pytest.raises(UserError, match="heldout.jsonl cannot be read"):  # finetune reads it before the launch
+        load_rows(eval_sets(load_recipe("tiny", [f"data.heldout={tmp_path / 'heldout.jsonl'}"]))[0])
+
+
+def test_a_source_whose_weight_takes_no_row_is_named(tmp_path, capfd):
+    """weight 0.1 on a 1-row file rounded to 0 rows: the source was listed and silently left out."""
+    (tmp_path / "one.jsonl").write_bytes(good(0))
+    rc, _, err = run_main(capfd, "data", "tiny", f"output_dir={tmp_path / 'run'}",
+                          f"data.sources=[data/tiny/train.jsonl, {{path: {tmp_path / 'one.jsonl'}, weight: 0.1}}]")
+    assert_one_message(rc, err, "data.sources[1]", "weight 0.1 takes 0 of its 1 rows", "raise it above 0.5")
+
+
 def test_overrides_may_follow_a_flag(tmp_path, capfd):
     """make inspect ARGS="--n 4 data.seq_len=512" puts an override after a flag; argparse's plain parse_args
     refused it ("unrecognized arguments")."""

@@ -42,8 +42,13 @@ def load_rows(es: EvalSetCfg) -> list[dict]:
     if path is None or not path.exists():
         raise MissingInputError(f"eval set '{es.name}': {path} not found (its path in eval.sets, or data.heldout); it must be a JSONL of "
                                 f"{{\"messages\": [...], \"answer\": \"...\"}} rows.")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"eval set '{es.name}': {path} cannot be read ({getattr(e, 'strerror', None) or e}); it "
+                        f"must be a UTF-8 JSONL file of {{\"messages\": [...], \"answer\": \"...\"}} rows.") from None
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -56,6 +56,12 @@ def build(r: Recipe, bp=None, steps: int | None = None, load_universal: bool = F
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UserError(f"train.deepspeed: {path} line {e.lineno}: not valid JSON ({e.msg}).") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"train.deepspeed: {path}: cannot be read ({getattr(e, 'strerror', None) or e}); name a "
+                        f"DeepSpeed JSON file, e.g. configs/deepspeed/zero3.json.") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("zero_optimization", {}), dict):
+        raise UserError(f"train.deepspeed: {path}: a DeepSpeed config is a JSON object whose zero_optimization is an "
+                        f"object too (configs/deepspeed/zero3.json is one).")
     zero = copy.deepcopy(cfg.get("zero_optimization", {}))
     for key, value in _numbers(r.train.zero).items():
         if isinstance(value, dict) and isinstance(zero.get(key), dict):

@@ -192,7 +192,11 @@ def count_rows(src: SourceCfg, idx: int) -> int:
             return sum(1 for line in f if line.strip())
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
-        return pq.ParquetFile(path).metadata.num_rows
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types, as in _parquet_rows
+            raise SourceError(f"data source {src.path}: not a readable Parquet file ({e}). Fix: rewrite it with "
+                              f"pandas/pyarrow.") from None
     return sum(1 for _ in read_source(src, idx))
 
 
@@ -209,6 +213,9 @@ def mixture_plan(sources: list[SourceCfg], seed: int) -> list[dict]:
         whole = int(math.floor(src.weight))
         frac = src.weight - whole
         k = int(round(frac * n))
+        if n and whole * n + k == 0:  # a source listed and then left out without a word
+            raise SourceError(f"data.sources[{idx}] ({src.path}): weight {src.weight:g} takes 0 of its {n} rows; "
+                              f"raise it above {1 / (2 * n):.3g}, or remove the source.")
         mask = None
         if k > 0:
             mask = np.zeros(n, dtype=bool)
