@@ -244,6 +244,18 @@ def test_a_recipe_file_that_is_not_a_mapping_or_not_readable(tmp_path, capfd):
     assert_one_message(rc, err, "cannot be read as a recipe")
 
 
+@pytest.mark.parametrize("text,says", [
+    ("model:\n  init_config: configs/models/tiny_llama31.json\nmodel:\n  tokenizer: x\n",
+     "line 3: not valid YAML: key 'model' appears twice in this mapping; keep one"),  # the first was dropped
+    ("name: t\ntrain:\n  lr: 1e-4\n  lr: 1e-3\n", "line 4: not valid YAML: key 'lr' appears twice"),
+    ("model:\n\tinit_config: x\n", "line 2: not valid YAML: found character '\\t'"),  # was four lines
+])
+def test_a_recipe_yaml_error_is_one_line_with_its_line(tmp_path, capfd, text, says):
+    (tmp_path / "r.yaml").write_text(text)
+    rc, _, err = run_main(capfd, "plan", str(tmp_path / "r.yaml"))
+    assert_one_message(rc, err, f"{tmp_path / 'r.yaml'} {says}")
+
+
 def test_an_output_dir_that_exists_but_cannot_be_written(tmp_path, capfd):
     rc, _, err = run_main(capfd, "plan", "tiny", "output_dir=/proc")
     assert_one_message(rc, err, "output_dir: cannot create or write in /proc")

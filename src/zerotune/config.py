@@ -529,12 +529,28 @@ def _validate_preference(r: Recipe, where: str) -> None:
                           f"fine-tuning.")
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys without a word: a recipe with `model:` twice trains on half of it."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in this mapping; "
+                                                        f"keep one", key_node.start_mark)
+            seen.add(key) if isinstance(key, typing.Hashable) else None
+        return super().construct_mapping(node, deep)
+
+
 def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe:
     path = recipe_path(name_or_path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeys) or {}
+    except yaml.YAMLError as e:  # one line: the file, the line, PyYAML's problem
+        mark = getattr(e, "problem_mark", None)
+        raise RecipeError(f"{path}{f' line {mark.line + 1}' if mark else ''}: not valid YAML: "
+                          f"{getattr(e, 'problem', None) or e}.") from None
     except (OSError, UnicodeDecodeError) as e:
         raise RecipeError(f"{path}: cannot be read as a recipe ({getattr(e, 'strerror', None) or e}).") from None
     if not isinstance(raw, dict):
