@@ -22,7 +22,7 @@ from typing import Callable
 
 from . import manifest as mf
 from .config import EvalSetCfg, Recipe, resolve_path
-from .errors import MissingInputError, UserError
+from .errors import MissingInputError, UserError, why_unreadable
 from .chat_template import CHAT_FORMAT, stop_ids
 from .layout import layout
 
@@ -45,7 +45,7 @@ def load_rows(es: EvalSetCfg) -> list[dict]:
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"eval set '{es.name}': {path} cannot be read ({getattr(e, 'strerror', None) or e}); it "
+        raise UserError(f"eval set '{es.name}': {path} cannot be read ({why_unreadable(e)}); it "
                         f"must be a UTF-8 JSONL file of {{\"messages\": [...], \"answer\": \"...\"}} rows.") from None
     rows = []
     for i, line in enumerate(text.splitlines(), 1):

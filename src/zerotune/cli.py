@@ -8,7 +8,7 @@ import sys
 import tempfile
 
 from .config import explain, load_recipe
-from .errors import UserError, report
+from .errors import UserError, report, why_unreadable
 from .quiet import silence_known_noise
 
 # the same words as the make targets (make data, make finetune, ...), in the logs and in every hint
@@ -94,7 +94,7 @@ def _output_dir_first(args, r) -> None:
             r.out.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=r.out).close()  # there and writable (a read-only mount, /proc)
         except OSError as e:
-            raise UserError(f"output_dir: cannot create or write in {r.out} ({e.strerror or e}): set output_dir to a folder "
+            raise UserError(f"output_dir: cannot create or write in {r.out} ({why_unreadable(e)}): set output_dir to a folder "
                             f"you can write, or leave it out (runs/{r.name}).") from None
 
 

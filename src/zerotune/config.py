@@ -21,7 +21,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from .data.formats import FORMATS, ROLE_TARGETS, tool_definitions
-from .errors import UserError
+from .errors import UserError, why_unreadable
 from .hardware import GPUS
 from .quant_types import QUANT_TYPES
 from .scorers import SCORERS
@@ -536,10 +536,12 @@ class _UniqueKeys(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, typing.Hashable) and key in seen:
+            if not isinstance(key, typing.Hashable):  # PyYAML's own error follows
+                continue
+            if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in this mapping; "
                                                         f"keep one", key_node.start_mark)
-            seen.add(key) if isinstance(key, typing.Hashable) else None
+            seen.add(key)
         return super().construct_mapping(node, deep)
 
 
@@ -552,7 +554,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe
         raise RecipeError(f"{path}{f' line {mark.line + 1}' if mark else ''}: not valid YAML: "
                           f"{getattr(e, 'problem', None) or e}.") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(f"{path}: cannot be read as a recipe ({getattr(e, 'strerror', None) or e}).") from None
+        raise RecipeError(f"{path}: cannot be read as a recipe ({why_unreadable(e)}).") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping of sections (model:, data:, train:, ...), not a "
                           f"{type(raw).__name__}.")

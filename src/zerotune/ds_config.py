@@ -12,7 +12,7 @@ import json
 import math
 
 from .config import Recipe, resolve_path
-from .errors import MissingInputError, UserError
+from .errors import MissingInputError, UserError, why_unreadable
 
 # DeepSpeed's own fp16 defaults (deepspeed/runtime/constants.py), used when nothing better is known.
 DS_INITIAL_SCALE_POWER = 16
@@ -57,7 +57,7 @@ def build(r: Recipe, bp=None, steps: int | None = None, load_universal: bool = F
     except json.JSONDecodeError as e:
         raise UserError(f"train.deepspeed: {path} line {e.lineno}: not valid JSON ({e.msg}).") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"train.deepspeed: {path}: cannot be read ({getattr(e, 'strerror', None) or e}); name a "
+        raise UserError(f"train.deepspeed: {path}: cannot be read ({why_unreadable(e)}); name a "
                         f"DeepSpeed JSON file, e.g. configs/deepspeed/zero3.json.") from None
     if not isinstance(cfg, dict) or not isinstance(cfg.get("zero_optimization", {}), dict):
         raise UserError(f"train.deepspeed: {path}: a DeepSpeed config is a JSON object whose zero_optimization is an "

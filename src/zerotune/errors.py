@@ -29,6 +29,11 @@ class UserError(Exception):
     """A problem the user can fix; the message names what, where and the fix."""
 
 
+def why_unreadable(e: Exception) -> str:
+    """An OSError's own words ("Is a directory"), else the exception's (a UnicodeDecodeError, a JSON error)."""
+    return getattr(e, "strerror", None) or str(e)
+
+
 class MissingInputError(UserError, FileNotFoundError):
     """A file a stage needs is missing: an earlier stage was not run, or `make setup` was not."""
 

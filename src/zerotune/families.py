@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, why_unreadable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "configs" / "models"
@@ -193,7 +193,7 @@ def of_config(config) -> Family:
         try:
             data, where = json.loads(path.read_text()), str(path)
         except (OSError, ValueError) as e:
-            raise UserError(f"{path}: not a readable model config.json ({getattr(e, 'strerror', None) or e}): point "
+            raise UserError(f"{path}: not a readable model config.json ({why_unreadable(e)}): point "
                             f"model.init_config (or model.name_or_path) at a transformers config, e.g. "
                             f"configs/models/tiny_llama31.json.") from None
         if not isinstance(data, dict):
