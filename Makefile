@@ -80,8 +80,8 @@ test: setup  ## all tests but the extended ones, integration included (what CI r
 test-all: setup  ## every test, the extended second paths too (docs/testing.md lists them)
 	$(PY) -m pytest -q --durations=25 tests
 
-test-fast: setup  ## unit tests only (seconds)
-	$(PY) -m pytest -q -m "not integration" tests
+test-fast: setup  ## unit tests only, under a minute (the slow and integration ones are left to make test)
+	$(PY) -m pytest -q -m "not integration and not slow" tests
 
 bench: setup  ## measured comparisons on this machine -> bench/results.md (+ results/*.json, *.png)
 	$(PY) bench/bench_data.py

@@ -29,7 +29,7 @@ RESULTS = REPO / "bench" / "results"
 
 
 def main(recipe: str = "smollm2") -> None:
-    from zerotune.answering import eval_sets, gguf_answers, load_gguf, load_rows
+    from zerotune.answering import gguf_answers, load_gguf, load_rows
     from zerotune.check import heldout_documents, logit_agreement
     from zerotune.config import load_recipe
     from zerotune.gguf_checks import read_header
@@ -46,7 +46,7 @@ def main(recipe: str = "smollm2") -> None:
         types: dict[str, int] = {}
         for t in read_header(gguf).tensors:
             types[t.type_name] = types.get(t.type_name, 0) + 1
-        task = eval_sets(r)[0]
+        task = r.eval_sets()[0]
         rows = load_rows(task)
         llm = load_gguf(gguf, n_ctx=2048)
         try:

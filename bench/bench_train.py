@@ -171,7 +171,7 @@ def main() -> None:
     from bench_data import generate
 
     from zerotune.config import load_recipe
-    from zerotune.train import materialise_base
+    from zerotune.train.launch import materialise_base
 
     # Data: enough conversations for every run (packed rows hold ~seq_len / 474 documents at seq_len 1024).
     n = a.conversations or max(400, int(2 * a.steps * a.grad_accum * procs() * 4))
@@ -204,7 +204,7 @@ def main() -> None:
 
     from bench_limits import describe, measure
     from zerotune.metrics import flops_per_token
-    from zerotune.planner.memory import model_shape
+    from zerotune.planner.target import model_shape
 
     limits = measure(base, a.seq_len, seconds=a.limit_seconds)  # this machine's fp32 matmul rate at the model's shapes
     print(f"bench_train: {describe(limits)}", flush=True)

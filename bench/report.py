@@ -33,18 +33,18 @@ def predictions() -> str:
     from zerotune.planner.compute import compute_plan
 
     p = compute_plan(load_recipe("llama8b_zero3"))
-    t, q8 = p.time, p.inference["quant"]["q8_0"]
+    t, q8 = p.time, p.inference.of("q8_0")
     return "\n".join([
         "## GPU figures (predictions, not measurements)",
         "",
-        f"- Llama-3.1-8B, `llama8b_zero3` on {p.cluster['nodes']}x{p.cluster['gpus_per_node']} "
-        f"{p.cluster['gpu_name']}: {t['flops_per_step']:.3g} FLOPs per {p.recipe_config['global_batch_tokens']:,}-token "
-        f"optimizer step; at {t['mfu']:.0%} MFU of the 125 TFLOPS fp16 peak that is "
-        f"{t['seconds_per_step'] / 3600:.2f} h per step (`zerotune plan llama8b_zero3`).",
-        f"- Predicted peak memory per GPU: {p.memory['peak_bytes'] / 2**30:.2f} GiB of "
-        f"{p.memory['capacity_bytes'] / 2**30:.2f} GiB.",
-        f"- Q8_0 GGUF: {q8['gguf_bytes'] / 2**30:.2f} GiB; T4 decode ceiling (320 GB/s / "
-        f"{q8['gguf_bytes'] / 1e9:.2f} GB read per token): {T4_BYTES_PER_S / q8['gguf_bytes']:.1f} tokens/s.",
+        f"- Llama-3.1-8B, `llama8b_zero3` on {p.cluster.nodes}x{p.cluster.gpus_per_node} "
+        f"{p.cluster.gpu_name}: {t.flops_per_step:.3g} FLOPs per {p.recipe_batch.global_batch_tokens:,}-token "
+        f"optimizer step; at {t.mfu:.0%} MFU of the 125 TFLOPS fp16 peak that is "
+        f"{t.seconds_per_step / 3600:.2f} h per step (`zerotune plan llama8b_zero3`).",
+        f"- Predicted peak memory per GPU: {p.memory.peak_bytes / 2**30:.2f} GiB of "
+        f"{p.memory.capacity_bytes / 2**30:.2f} GiB.",
+        f"- Q8_0 GGUF: {q8.gguf_bytes / 2**30:.2f} GiB; T4 decode ceiling (320 GB/s / "
+        f"{q8.gguf_bytes / 1e9:.2f} GB read per token): {T4_BYTES_PER_S / q8.gguf_bytes:.1f} tokens/s.",
     ])
 
 

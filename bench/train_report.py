@@ -86,7 +86,7 @@ def notes(label_check: dict | None, b: int, seq_len: int, pack_eff: float, mean_
         f"Padded micro-batch = {b} documents per rank ({seq_len} x packing efficiency {pack_eff} / mean document "
         f"{mean_doc:.0f} tokens). Expected padding efficiency of random micro-batches on this data: "
         + ", ".join(f"{k} docs {pad_eff[k]:.2f}" for k in (1, 2, 4, 8)) + ".",
-        "Every contender's TrainingArguments come from zerotune.train.training_kwargs(the bench recipe): the same "
+        "Every contender's TrainingArguments come from zerotune.train.args.training_kwargs(the bench recipe): the same "
         "optimizer, schedule, precision, DeepSpeed config and gradient checkpointing setting (off in the bench "
         "recipe); LoRA uses the recipe's peft defaults (r 16 on every linear layer of the blocks).",
         "Model FLOPs = 6N + attention per processed token (zerotune.metrics.flops_per_token; LoRA is counted the "

@@ -25,7 +25,7 @@ def worker(spec_path: str) -> None:
     from zerotune import batch as batchmod
     from zerotune import hardware
     from zerotune.data.cache import load_tokenizer
-    from zerotune.train import training_kwargs
+    from zerotune.train.args import training_kwargs
 
     spec = json.loads(Path(spec_path).read_text())
     kind = spec["kind"]

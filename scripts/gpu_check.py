@@ -40,6 +40,7 @@ Rows and their expected time on an H100/H200, process start and set-up included 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -163,27 +164,28 @@ def recipe(d: dict):
 def predict(rec: dict, plan_gpu: str, card: str | None) -> dict:
     """The plan of a ZeRO-3 row: per-phase memory on one `plan_gpu` (compute_plan: allocated and reserved views,
     the peak with its overheads) and its step time there; the same step on this `card` at its own peak and the
-    emulated choice (plan._step_time), with the FLOPs per micro-step."""
-    from zerotune import ds_config, hardware
+    emulated choice (Target.step_time), with the FLOPs per micro-step."""
+    from zerotune import hardware
     from zerotune.planner import compute as planmod
-    from zerotune.planner.memory import model_shape
+    from zerotune.planner.target import resolve
 
     r = recipe(rec)
     p = planmod.compute_plan(r, gpu=plan_gpu, gpus_per_node=1, nodes=1)
-    out = {"plan_gpu": plan_gpu, "card": card, "n_params": p.model["n_params"],
-           "capacity": p.cluster["capacity_bytes"], "precision": p.choice["precision"],
-           "attention": p.choice["attention"], "micro_s": None,
-           "phases": {ours: (v["views"]["allocated"], v["views"]["reserved"], v["peak_bytes"])
-                      for ours, name in PLAN_PHASES.items() if "views" in (v := p.phases.get(name) or {})},
-           "target_micro_s": (p.time.get("per_micro_step") or {}).get("compute_s"),
-           "target_step_s": p.time.get("seconds_per_step")}
+    phases = {ours: getattr(p.phases, name) for ours, name in PLAN_PHASES.items()}
+    out = {"plan_gpu": plan_gpu, "card": card, "n_params": p.model.n_params,
+           "capacity": p.cluster.capacity_bytes, "precision": p.choice.precision,
+           "attention": p.choice.attention, "micro_s": None,
+           "phases": {ours: (ph.views.allocated, ph.views.reserved, ph.peak_bytes)
+                      for ours, ph in phases.items() if ph is not None and ph.views is not None},
+           "target_micro_s": p.time.per_micro_step.compute_s if p.time.per_micro_step else None,
+           "target_step_s": p.time.seconds_per_step}
     g = hardware.GPUS.get(card or "")
     if g and g.peak_tflops:
-        t = planmod._step_time(r, model_shape(r), g, card, r.data.seq_len, 1, 1, out["attention"], None,
-                               gpus_per_node=1, precision=out["precision"],
-                               zero=(ds_config.build(r) or {}).get("zero_optimization"))
-        out.update(micro_s=t["per_micro_step"]["compute_s"], step_s=t["seconds_per_step"], mfu=t["mfu"],
-                   flops_micro=t["flops_per_step"] / t["grad_accum"],
+        # the same step on this card, in the plan's (emulated) precision and attention, its documents unmeasured
+        t = dataclasses.replace(resolve(r, gpu=card, gpus_per_node=1, nodes=1), choice=p.choice, docs=None)
+        st = t.step_time(r.data.seq_len, 1, 1)
+        out.update(micro_s=st.per_micro_step.compute_s, step_s=st.seconds_per_step, mfu=st.mfu,
+                   flops_micro=st.flops_per_step / st.grad_accum,
                    peak_tflops=hardware.peak_tflops(g, out["precision"]))
     return out
 
@@ -210,7 +212,7 @@ def slice_layers(plan_gpu: str, seq: int, steps: int, root: Path, max_layers: in
         cfg = write_config(root / f"8b-{n}L.json", shape_config("8b", n))
         p = planmod.compute_plan(recipe(zero3_recipe(f"slice{n}", cfg, root / "plan", seq, steps, plan_gpu=plan_gpu)),
                                  gpu=plan_gpu, gpus_per_node=1, nodes=1)
-        return p.memory["peak_bytes"], p.memory["capacity_bytes"]
+        return p.memory.peak_bytes, p.memory.capacity_bytes
 
     lo, hi, best = 1, max_layers, (0, 0)
     while lo <= hi:  # the peak grows with the layers

@@ -172,13 +172,6 @@ def worker_env(spec: dict) -> dict:
 # The worker's own training path (train/worker.py) on rows made here
 # --------------------------------------------------------------------------------------------------------------
 
-def train_worker():
-    """The module train/worker.py (`from zerotune.train import worker` is its function: train/__init__.py)."""
-    import importlib
-
-    return importlib.import_module("zerotune.train.worker")
-
-
 def write_base(r, dtype) -> bool:
     """launch.materialise_base's job: random weights from model.init_config (seed model.init_seed) into the run's
     base folder, here initialised on the device in the training dtype and without the tokenizer (materialise_base
@@ -219,9 +212,9 @@ def kit_run(r, gpu, rows: list[dict]):
     from zerotune import hardware
     from zerotune.layout import layout
     from zerotune.ports import free_port
+    from zerotune.train import worker
     from zerotune.train.args import collate_packed, total_steps, training_arguments
 
-    worker = train_worker()
     warnings.filterwarnings("ignore", message=r".*(reduce_scatter_tensor|all_gather_into_tensor).* is deprecated",
                             category=FutureWarning)
     paths = layout(r)
@@ -244,10 +237,10 @@ def kit_trainer(r, gpu, rows: list[dict]):
     """train/worker.py worker's steps in its order: StopOnSignal, [setup: kit_run], load_model, build_trainer,
     choose_resume. Without the in-training validation and samples callback: the kit measures them as phases.
     Returns (run, model, n_params, trainer, stop, commit, resume)."""
+    from zerotune.train import worker
     from zerotune.train.callbacks import StopOnSignal
     from zerotune.train.validation import EvalDuringTraining
 
-    worker = train_worker()
     stop = StopOnSignal()
     run = kit_run(r, gpu, rows)
     model, n_params, _ = worker.load_model(r, run)
@@ -316,6 +309,7 @@ def check_fp16_loss_scale(spec: dict) -> dict:
     from transformers import TrainerCallback
 
     from zerotune import metrics as mx
+    from zerotune.train.worker import train_or_stop
 
     name, r, hysteresis = "fp16 loss scale (Trainer + DeepSpeed ZeRO-3)", recipe(spec["recipe"]), spec["hysteresis"]
     overflow = set(range(2, 2 + hysteresis))
@@ -353,7 +347,7 @@ def check_fp16_loss_scale(spec: dict) -> dict:
             probe = OverflowProbe(trainer, model)
             trainer.add_callback(probe)
             with m:
-                train_worker().train_or_stop(r, run, trainer, stop, commit, resume)
+                train_or_stop(r, run, trainer, stop, commit, resume)
             cfg = trainer.args.hf_deepspeed_config.config["fp16"]  # as the Trainer filled it
             s0, trail = 2.0 ** cfg["initial_scale_power"], probe.trail
             problems = [] if cfg.get("hysteresis") == hysteresis else [f"hysteresis {cfg.get('hysteresis')}"]
@@ -563,7 +557,7 @@ def check_zero3(spec: dict) -> dict:
     import torch
 
     from zerotune import hardware
-    from zerotune.train import validation
+    from zerotune.train import validation, worker
     from zerotune.checkpoint import last_committed
     from zerotune.config import resolve_path
     from zerotune.families import of_config
@@ -571,7 +565,7 @@ def check_zero3(spec: dict) -> dict:
     from zerotune.verify import model_dtype
 
     r, tag, expect, resuming = recipe(spec["recipe"]), spec["tag"], spec["expect"], spec.get("resume")
-    emu, seq, info, worker = this_card(spec["as"]), r.data.seq_len, {"saved": False}, train_worker()
+    emu, seq, info = this_card(spec["as"]), r.data.seq_len, {"saved": False}
     dev = torch.device("cuda" if _cuda() else "cpu")
     vocab = json.loads(resolve_path(r.model.init_config).read_text())["vocab_size"]
     with emulate(emu) as guard:

@@ -4,7 +4,7 @@
       Before srun starts any worker: the plan for this allocation (printed to the log), prepared data that
       matches the recipe, the disk, the base model, and a checkpoint written at another world size converted
       for this allocation's (nodes x processes): what `zerotune finetune` does before torchrun
-      (train.before_launch). stdout gets one line for the script: PROCS_PER_NODE DEVICE RUN_DIR.
+      (train/launch.py before_launch). stdout gets one line for the script: PROCS_PER_NODE DEVICE RUN_DIR.
       A user error: one message, exit 2.
       The batch script runs it in the background and forwards its time-limit warning (USR1) to it: a conversion
       stops at once, leaving the checkpoint as it was and nothing half-built, and the preflight exits 75 (requeue
@@ -41,6 +41,7 @@ silence_known_noise()
 
 from zerotune import manifest as mf  # noqa: E402
 from zerotune.checkpoint import last_committed  # noqa: E402
+from zerotune import stopping  # noqa: E402
 from zerotune.stopping import DEADLINE_ENV, REQUEUE_EXIT  # noqa: E402
 from zerotune.config import load_recipe  # noqa: E402
 from zerotune.errors import EXIT_CODE, UserError, report  # noqa: E402
@@ -55,11 +56,9 @@ SIGNAL_LEAD_S = 900
 def preflight(recipe: str, overrides: list[str]) -> int:
     import signal
 
-    from zerotune import interrupt
-
     # The batch script forwards its USR1 here (its default action would kill this process): a conversion stops on
-    # it at once (universal.convert); anything else finishes, and then the preflight stops instead of launching.
-    signal.signal(signal.SIGUSR1, interrupt.record)
+    # it at once (reshard.build_conversion); anything else finishes, and then the preflight stops instead of launching.
+    signal.signal(signal.SIGUSR1, stopping.record)
     try:
         return _preflight(recipe, overrides)
     finally:
@@ -69,10 +68,9 @@ def preflight(recipe: str, overrides: list[str]) -> int:
 
 
 def _preflight(recipe: str, overrides: list[str]) -> int:
-    from zerotune import interrupt
     from zerotune.planner.compute import compute_plan
     from zerotune.planner.report import format_plan
-    from zerotune.train import before_launch
+    from zerotune.train.launch import before_launch
 
     deadline = os.environ.get(DEADLINE_ENV)
     convert_by = float(deadline) - SIGNAL_LEAD_S if deadline else None
@@ -88,10 +86,10 @@ def _preflight(recipe: str, overrides: list[str]) -> int:
         before_launch(r, nodes * procs, plan=plan, convert_by=convert_by)
     except UserError as e:
         return report(e)
-    except interrupt.Stopped as e:
+    except stopping.Stopped as e:
         return stopped_in_preflight(r.out, e.signal, e.detail)
-    if interrupt.asked():
-        return stopped_in_preflight(r.out, interrupt.asked(), "before the launch")
+    if stopping.asked():
+        return stopped_in_preflight(r.out, stopping.asked(), "before the launch")
     print(procs, "GPU" if gpus else "CPU", r.out, file=RESULT, flush=True)
     return 0
 

@@ -194,6 +194,7 @@ def table():
     return results
 
 
+@pytest.mark.slow
 def test_activation_prediction_within_tolerance(table):
     assert len(table) >= 6
     assert {label.split()[0] for label, *_ in table} >= {"qwen3", "gemma3"}  # every family is measured
@@ -201,6 +202,7 @@ def test_activation_prediction_within_tolerance(table):
     assert not bad, f"planner off by more than {TOLERANCE:.0%}: {bad}"
 
 
+@pytest.mark.slow
 def test_checkpointing_saves_memory(table):
     by = {label: m for label, m, _, _ in table}
     assert by["h256 L4 S512 fp32 sdpa ckpt"] < 0.5 * by["h256 L4 S512 fp32 sdpa"]

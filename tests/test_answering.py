@@ -53,6 +53,7 @@ def _assert_batching_changes_nothing(model_dir: Path, max_new_tokens: int, batch
     return want
 
 
+@pytest.mark.slow
 def test_batched_answers_equal_one_at_a_time_tiny(tiny_model_dir):
     # 1: no padding at all; 3: batches of unequal size, the last one short; all in one batch
     _assert_batching_changes_nothing(tiny_model_dir, max_new_tokens=16, batch_sizes=(1, 3, len(ROWS)))

@@ -37,11 +37,11 @@ def _with_docs(tmp_path, p50, p99, overrides=(), span=None, seq_len=16384):
 def test_dense_mask_costs_more_than_causal_at_8b_on_v100():
     dense = compute_plan(load_recipe("llama8b_zero3", ["train.attention=sdpa"])).time
     unpacked = compute_plan(load_recipe("llama8b_zero3", ["data.packing=false", "train.attention=sdpa"])).time
-    assert dense["attention_kind"] == "dense" and unpacked["attention_kind"] == "causal"
-    assert dense["flops_attention"] == 2 * unpacked["flops_attention"]  # documents unknown: as long as a row
-    assert dense["seconds_per_step"] > unpacked["seconds_per_step"]
+    assert dense.attention_kind == "dense" and unpacked.attention_kind == "causal"
+    assert dense.flops_attention == 2 * unpacked.flops_attention  # documents unknown: as long as a row
+    assert dense.seconds_per_step > unpacked.seconds_per_step
     # 8 x V100 at 35% MFU, 16K rows: attention is ~2.2e18 of ~6.2e18 FLOPs per step
-    assert 0.3 < dense["flops_attention"] / dense["flops_per_step"] < 0.4
+    assert 0.3 < dense.flops_attention / dense.flops_per_step < 0.4
 
 
 def test_per_document_attention_is_the_v100_default_and_saves_a_fifth_of_the_step():
@@ -50,32 +50,32 @@ def test_per_document_attention_is_the_v100_default_and_saves_a_fifth_of_the_ste
     p = compute_plan(load_recipe("llama8b_zero3"))
     dense = compute_plan(load_recipe("llama8b_zero3", ["train.attention=sdpa"]))
     t = p.time
-    assert p.choice["attention"] == "sdpa_docs" and t["attention_kind"] == "per_document"
-    assert t["attention_span"] == 1024 and t["attention_span_from"].startswith("assumed")
-    assert t["seconds_per_step"] <= 0.8 * dense.time["seconds_per_step"]
-    assert t["flops_attention"] == dense.time["flops_attention"] * (2 * 1024) / (4 * 16384)
+    assert p.choice.attention == "sdpa_docs" and t.attention_kind == "per_document"
+    assert t.attention_span == 1024 and t.attention_span_from.startswith("assumed")
+    assert t.seconds_per_step <= 0.8 * dense.time.seconds_per_step
+    assert t.flops_attention == dense.time.flops_attention * (2 * 1024) / (4 * 16384)
     # no S x S mask in memory: the dense plan's mask term is gone, the peak drops
-    assert p.memory["parts"]["attention mask"] == 0 < dense.memory["parts"]["attention mask"]
-    assert p.memory["peak_bytes"] < dense.memory["peak_bytes"]
+    assert p.memory.parts["attention mask"] == 0 < dense.memory.parts["attention mask"]
+    assert p.memory.peak_bytes < dense.memory.peak_bytes
 
 
 def test_long_rows_no_longer_cost_more_than_short_ones():
     """With the dense mask the options table prefers short rows; per document, 16K rows are as cheap as any (the
     attention span does not grow with the row) and the recipe's own 16K stays recommended."""
-    opts = {(o["seq_len"], o["micro_batch_size"]): o for o in compute_plan(load_recipe("llama8b_zero3")).options}
-    dense = {(o["seq_len"], o["micro_batch_size"]): o
+    opts = {(o.seq_len, o.micro_batch_size): o for o in compute_plan(load_recipe("llama8b_zero3")).options}
+    dense = {(o.seq_len, o.micro_batch_size): o
              for o in compute_plan(load_recipe("llama8b_zero3", ["train.attention=sdpa"])).options}
-    assert dense[(16384, 1)]["seconds_per_step"] > 1.3 * dense[(2048, 1)]["seconds_per_step"]
-    assert opts[(16384, 1)]["seconds_per_step"] <= opts[(2048, 1)]["seconds_per_step"]
-    assert {o["attention_kind"] for o in opts.values()} == {"per_document"}
+    assert dense[(16384, 1)].seconds_per_step > 1.3 * dense[(2048, 1)].seconds_per_step
+    assert opts[(16384, 1)].seconds_per_step <= opts[(2048, 1)].seconds_per_step
+    assert {o.attention_kind for o in opts.values()} == {"per_document"}
 
 
 def test_the_prepared_datas_span_replaces_the_assumption(tmp_path):
     p = compute_plan(_with_docs(tmp_path, 389, 1646, span=786.0))
-    assert p.time["attention_span"] == 786.0 and "prepared data" in p.time["attention_span_from"]
+    assert p.time.attention_span == 786.0 and "prepared data" in p.time.attention_span_from
     # prepared at another seq_len: its span is not this row's; the assumption stands, capped by the row
     q = compute_plan(_with_docs(tmp_path, 389, 1646, span=786.0, seq_len=4096))
-    assert q.time["attention_span"] == 1024
+    assert q.time.attention_span == 1024
 
 
 def test_modelled_mask_cost_moves_the_recommendation_to_shorter_rows(tmp_path):
@@ -83,15 +83,15 @@ def test_modelled_mask_cost_moves_the_recommendation_to_shorter_rows(tmp_path):
     does a quarter of the masked attention, so the planner recommends it; per-document attention (the default) and
     varlen (A100, flash-attn) cost the same at any row length and keep the recipe's own."""
     v100 = compute_plan(_with_docs(tmp_path, 1400, 3000, ["train.attention=sdpa"]))
-    rec, own = v100.recommended, next(o for o in v100.options if o["recipe"])
-    assert own["fits"] and rec["seq_len"] == 4096 and rec["seq_len"] < own["seq_len"]
-    assert rec["seconds_per_step"] < own["seconds_per_step"]
-    assert compute_plan(_with_docs(tmp_path, 1400, 3000)).recommended["recipe"]
+    rec, own = v100.recommended, next(o for o in v100.options if o.recipe)
+    assert own.fits and rec.seq_len == 4096 and rec.seq_len < own.seq_len
+    assert rec.seconds_per_step < own.seconds_per_step
+    assert compute_plan(_with_docs(tmp_path, 1400, 3000)).recommended.recipe
     a100 = compute_plan(_with_docs(tmp_path, 1400, 3000), gpu="a100-80gb")
-    assert a100.time["attention_kind"] == "varlen"
-    assert a100.recommended["recipe"]
+    assert a100.time.attention_kind == "varlen"
+    assert a100.recommended.recipe
 
 
 def test_without_document_lengths_the_recipe_choice_stands():
     p = compute_plan(load_recipe("llama8b_zero3"))
-    assert p.recommended["recipe"]  # seq_len >= p99 cannot be checked before `prepare`: no shorter rows
+    assert p.recommended.recipe  # seq_len >= p99 cannot be checked before `prepare`: no shorter rows

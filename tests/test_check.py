@@ -63,7 +63,6 @@ def test_max_leakage_gates_hf_and_gguf_not_the_base(hf, gguf, failed):
 def test_check_writes_leakage_and_fails_past_max_leakage(tmp_path, monkeypatch, capsys):
     """check's own path with the models faked: answers (score_models), the GGUF and the logit comparison."""
     import zerotune.check as ck
-    import zerotune.gguf_checks
     from zerotune.config import load_recipe
     from zerotune.layout import layout
 
@@ -87,7 +86,7 @@ def test_check_writes_leakage_and_fails_past_max_leakage(tmp_path, monkeypatch, 
         def close(self):
             pass
 
-    monkeypatch.setattr(zerotune.gguf_checks, "read_header", lambda path: None)
+    monkeypatch.setattr(ck, "read_header", lambda path: None)
     monkeypatch.setattr(ck, "score_models", lambda r, sets, rows: {"models": {}, "sets": scored})
     monkeypatch.setattr(ck, "load_gguf", lambda *a, **k: FakeLlama())
     monkeypatch.setattr(ck, "heldout_documents", lambda r, limit: [])

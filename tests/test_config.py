@@ -129,6 +129,7 @@ def _tiny_with(prefix: str, key: str, value):
     return from_dict(raw, where="recipes/tiny.yaml")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix,fld", _bounded_fields(), ids=lambda x: getattr(x, "name", x))
 def test_every_bounded_field_refuses_a_value_outside_and_takes_its_edges(prefix, fld):
     """A value outside a field's stated range is one message naming the file, the key, the value and the range,
@@ -173,8 +174,7 @@ def test_bounds_are_printed_by_explain():
 
 def test_heldout_prompts_are_declared_one_way_data_heldout_or_eval_sets():
     """data.heldout is the short form of one exact-scored set; with eval.sets beside it, it used to be ignored
-    silently (answering.eval_sets scores eval.sets alone). Both set: refused, naming both keys and the fix."""
-    from zerotune.answering import eval_sets
+    silently (Recipe.eval_sets scores eval.sets alone). Both set: refused, naming both keys and the fix."""
     from zerotune.config import RecipeError, load_recipe
 
     sets = "eval.sets=[{name: task, path: data/tiny/heldout.jsonl, scorer: contains}]"
@@ -183,5 +183,5 @@ def test_heldout_prompts_are_declared_one_way_data_heldout_or_eval_sets():
     msg = str(e.value)
     assert msg.startswith("recipes/tiny.yaml: data.heldout (data/tiny/heldout.jsonl) and eval.sets are both set")
     assert "set data.heldout: null" in msg and "\n" not in msg
-    assert [s.name for s in eval_sets(load_recipe("tiny", [sets, "data.heldout=null"]))] == ["task"]
-    assert [(s.name, s.scorer) for s in eval_sets(load_recipe("tiny"))] == [("heldout", "exact")]
+    assert [s.name for s in load_recipe("tiny", [sets, "data.heldout=null"]).eval_sets()] == ["task"]
+    assert [(s.name, s.scorer) for s in load_recipe("tiny").eval_sets()] == [("heldout", "exact")]

@@ -39,6 +39,7 @@ def build(tok, msgs, label_turns):
     return ids, labels
 
 
+@pytest.mark.slow
 def test_messages_multiturn_with_system_exact(tokenizer):
     ids, labels = encode_chat(tokenizer, CHAT, "all_assistant", "t")
     assert ids == [128000, 128006, 9125, 128007, 271, 3513, 10015, 13, 128009, 128006, 882, 128007, 271, 13347,
@@ -147,6 +148,7 @@ def test_bad_rows_name_where_and_fix(row, fmt, columns, needle, fix):
     assert msg.startswith("data/x.jsonl line 7: ") and needle in msg and fix in msg
 
 
+@pytest.mark.slow
 def test_tokenizer_without_chat_template(tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = None
@@ -155,6 +157,7 @@ def test_tokenizer_without_chat_template(tokenizer):
     require_chat_template(tokenizer, "ok")  # no error
 
 
+@pytest.mark.slow
 def test_template_that_rejects_a_conversation_is_a_bad_sample(tokenizer):
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"

@@ -71,6 +71,7 @@ def chat_file(tmp_path):
 
 # ---- modes ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_packed_rows_hold_exactly_the_documents(tmp_path, tokenizer_dir, tokenizer, chat_file):
     r = recipe(tmp_path, tokenizer_dir, [str(chat_file)], seq_len=128, packing=True)
     m = run(r)
@@ -88,6 +89,7 @@ def test_packed_rows_hold_exactly_the_documents(tmp_path, tokenizer_dir, tokeniz
     assert m["pad_token_id"] == tokenizer.eos_token_id
 
 
+@pytest.mark.slow
 def test_unpacked_one_row_per_document_in_order(tmp_path, tokenizer_dir, tokenizer, chat_file):
     r = recipe(tmp_path, tokenizer_dir, [str(chat_file)], packing=False)
     m = run(r)
@@ -139,6 +141,7 @@ def test_loss_on_last_assistant(tmp_path, tokenizer_dir, tokenizer):
 
 # ---- cache ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cache_hit_and_invalidation(tmp_path, tokenizer_dir, chat_file, monkeypatch, capsys):
     r = recipe(tmp_path, tokenizer_dir, [str(chat_file)])
     m1 = run(r)
@@ -233,6 +236,7 @@ def test_skip_counts_every_bad_row(tmp_path, tokenizer_dir):
     assert [e.split(":")[0] for e in m["bad_examples"]] == [f"{f} line {i}" for i in range(2, 2 + len(BAD_ROWS))]
 
 
+@pytest.mark.slow
 def test_tokenizer_without_chat_template(tmp_path, tokenizer_dir, chat_file):
     tok = shutil.copytree(tokenizer_dir, tmp_path / "notemplate")
     cfg = json.loads((tok / "tokenizer_config.json").read_text())
@@ -348,6 +352,7 @@ def test_num_proc_2_matches_num_proc_1(tmp_path, tokenizer_dir, monkeypatch):
     assert len(pools) == 1  # num_proc 2 really went through the process pool
 
 
+@pytest.mark.slow
 def test_cli_progress_and_histogram(tmp_path, tokenizer_dir, chat_file):
     r = recipe(tmp_path, tokenizer_dir, [str(chat_file)])
     prepare(r)  # default: histogram written

@@ -282,6 +282,7 @@ SHIPPED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHIPPED)
 def test_tool_calls_reach_each_shipped_template_in_the_form_it_accepts(name):
     """OpenAI's tool-call turn (content null) made Qwen3's template raise (it reads `.content` on every assistant
@@ -320,6 +321,7 @@ def test_tool_calls_reach_each_shipped_template_in_the_form_it_accepts(name):
         '<|im_end|>\n']
 
 
+@pytest.mark.slow
 def test_a_template_that_prints_arguments_as_they_come_gets_them_as_json_text(smol):
     """Templates that print a call's arguments without `tojson` expect OpenAI's JSON text; given the object they
     would train a Python dict ({'city': 'Paris'})."""

@@ -99,6 +99,7 @@ def _check_sbatch(words: list[str], where: str) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_command_shown_parses_against_the_repository(doc):
     problems = []
@@ -143,11 +144,12 @@ def test_every_linked_file_and_named_path_exists(doc):
 
 
 def test_docs_data_shows_a_row_of_every_format_that_reads_as_that_format():
-    """docs/data.md's Formats table against data/formats.py's FORMATS: a row of every format and of no other, and
+    """docs/data.md's Formats table against format_table.py's FORMATS: a row of every format and of no other, and
     each example reads as its format with no key ignored (a renamed field or a new format shows up here)."""
     import json
 
-    from zerotune.data.formats import FORMATS, read_row
+    from zerotune.data.formats import read_row
+    from zerotune.format_table import FORMATS
 
     section = (REPO / "docs" / "data.md").read_text().split("\n## Formats", 1)[1].split("\n## ", 1)[0]
     shown = re.findall(r"^\| `(\w+)`[^|]*\| `([^`]+)`", section, re.M)
@@ -253,3 +255,49 @@ def test_gguf_checks_reads_keys_by_name():
     names = {f"{n}.weight" for n in gguf.TENSOR_NAMES.values()}
     literals = set(re.findall(r'"([a-z_0-9.]+)"', (REPO / "src" / "zerotune" / "gguf_checks.py").read_text()))
     assert not literals & (keys | names), sorted(literals & (keys | names))
+
+
+def _run_tree() -> dict[str, str]:
+    """layout.py's docstring tree: each top-level entry of a run folder (`data/`, `model.tmp/`, ...) -> its text."""
+    import zerotune.layout
+
+    tree, current = {}, None
+    for line in zerotune.layout.__doc__.splitlines():
+        entry = re.match(r"^ {6}([\w.]+/)\s", line)
+        if entry:
+            current = entry.group(1)
+            tree[current] = line[entry.end():]
+        elif current and re.match(r"^ {7,}\S", line):
+            tree[current] += " " + line.strip()
+        else:
+            current = None
+    return tree
+
+
+def test_the_run_tree_is_layouts_docstring_whole_and_nowhere_else():
+    """The tree of a run folder is stated once, in layout.py's docstring (the one module that builds every path):
+    it names every path RunLayout returns, and no doc restates it (issue 51: three copies, the README's missing
+    base/, reference/ and model.tmp/)."""
+    from zerotune.layout import RunLayout, layout
+
+    r = load_recipe("tiny_dpo")  # a random init (base/ in the run folder) and DPO (reference/)
+    paths = layout(r)
+    built = {name: getattr(paths, name) for name, v in vars(RunLayout).items() if isinstance(v, property)}
+    built |= {"base": paths.base, "gguf": paths.gguf, "replay_answers": paths.replay_answers("<key>")}
+    assert len(built) > 30 and paths.base.is_relative_to(r.out)
+    tree, missing = _run_tree(), []
+    for name, path in sorted(built.items()):
+        rel = path.relative_to(r.out).as_posix().replace(f"{r.name}-{r.quantize.type.lower()}", "<recipe>-<type>")
+        top, *rest = rel.split("/")
+        entry = tree.get(f"{top}/")
+        if entry is None or any(not re.search(rf"(?<![\w.<>-]){re.escape(part)}(?![\w-])", entry) for part in rest):
+            missing.append(f"{name} ({rel})")
+    assert not missing, f"src/zerotune/layout.py's tree does not name {missing}"
+
+    copies = []
+    for doc in [*DOCS, REPO / "bench" / "README.md"]:
+        text = doc.read_text()
+        blocks = re.findall(r"```.*?```", text, re.S) + re.split(r"\n\s*\n", re.sub(r"```.*?```", "", text, flags=re.S))
+        copies += [f"{doc.relative_to(REPO)}: {b.strip()[:60]!r}" for b in blocks
+                   if "checkpoints/" in b and "metrics.jsonl" in b]
+    assert not copies, f"the run tree is layout.py's docstring; link to it instead of copying it: {copies}"

@@ -59,6 +59,7 @@ def _logits_and_grads(model, ids, pos):
     return out.logits.detach(), grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("row", list(ROWS))
 def test_logits_and_gradients_equal_the_dense_mask(family, row):

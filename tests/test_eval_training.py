@@ -48,6 +48,7 @@ def test_shards_are_disjoint_complete_and_equal_length(n, world):
     assert real == list(range(n))
 
 
+@pytest.mark.slow
 def test_nll_sum_matches_independent_ce_and_dummy_adds_nothing(tiny_model_dir, tmp_path):
     import torch
     from datasets import Dataset
@@ -72,6 +73,7 @@ def test_nll_sum_matches_independent_ce_and_dummy_adds_nothing(tiny_model_dir, t
     assert loss == pytest.approx(ref, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_samples_are_answerings_greedy_answers_and_leave_the_model_as_training_had_it(tiny_model_dir, tmp_path):
     """The in-training samples go through answering.py: on a model as training holds it (train mode, no KV cache
     in its config) they equal check's and eval's batched greedy answers to the same prompts, with the same stop
@@ -80,12 +82,12 @@ def test_samples_are_answerings_greedy_answers_and_leave_the_model_as_training_h
 
     import torch
 
-    from zerotune.answering import eval_sets, hf_generate, load_hf, load_rows
+    from zerotune.answering import hf_generate, load_hf, load_rows
     from zerotune.config import load_recipe
     from zerotune.train.validation import EvalDuringTraining
 
     r = load_recipe("tiny", [f"output_dir={tmp_path}"])
-    es = eval_sets(r)[0]
+    es = r.eval_sets()[0]
     rows = load_rows(es)[: r.eval.samples]
     model, tok, stop = load_hf(tiny_model_dir)
     want = hf_generate(model, tok, stop, rows, es.max_new_tokens, batch_size=r.eval.batch_size)  # as check, eval

@@ -33,9 +33,8 @@ def _format_set(tmp_path: Path, answer: str = "You said") -> Path:
 
 def test_default_set_is_data_heldout_scored_exact():
     from zerotune.config import load_recipe
-    from zerotune.answering import eval_sets
 
-    (s,) = eval_sets(load_recipe("tiny"))
+    (s,) = load_recipe("tiny").eval_sets()
     assert (s.name, s.path, s.scorer, s.max_new_tokens) == ("heldout", "data/tiny/heldout.jsonl", "exact", 12)
 
 
@@ -122,6 +121,7 @@ def test_local_lm_eval_task_scores_with_zerotunes_scorer(tmp_path):
         write_local_task(load_recipe("tiny"), es, multi, None, tmp_path / "task2")
 
 
+@pytest.mark.slow
 def test_missing_model_is_a_user_error_naming_the_stage(tmp_path):
     proc = _eval(tmp_path)
     assert proc.returncode == 2, proc.stderr
@@ -156,6 +156,7 @@ def _fake_scored(tmp_path: Path, leakage: dict) -> tuple[list[str], dict]:
     return [f"output_dir={tmp_path / 'run'}", "data.heldout=null", sets], scored
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gguf_leak,code", [(0.5, 0), (0.75, 1)])
 def test_eval_writes_leakage_and_fails_past_max_leakage(tmp_path, monkeypatch, capsys, gguf_leak, code):
     import zerotune.evaluate as ev

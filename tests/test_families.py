@@ -41,6 +41,7 @@ def _tiny_model(family: str):
                                                                        f"{TINY[family]}.json"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_liger_patch_exists_with_these_kernels(name):
     f = FAMILIES[name]
@@ -49,12 +50,13 @@ def test_liger_patch_exists_with_these_kernels(name):
     assert f.liger_kernels["fused_linear_cross_entropy"] and not f.liger_kernels["cross_entropy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_lora_targets_are_the_models_linears_and_the_planner_counts_what_peft_trains(name):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from zerotune.planner.memory import _LORA_DIMS, _shape_from_config, peft_trainable_params
+    from zerotune.planner.memory import _LORA_DIMS, peft_trainable_params, shape_of
 
     model = _tiny_model(name)
     assert families.of_config(model.config) is FAMILIES[name]
@@ -62,12 +64,13 @@ def test_lora_targets_are_the_models_linears_and_the_planner_counts_what_peft_tr
     assert linears == set(FAMILIES[name].lora_targets) <= set(_LORA_DIMS)
     targets = list(FAMILIES[name].lora_targets)
     peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=targets, task_type="CAUSAL_LM"))
-    shape = _shape_from_config(str(REPO / "configs" / "models" / f"{TINY[name]}.json"))
+    shape = shape_of(str(REPO / "configs" / "models" / f"{TINY[name]}.json"))
     assert peft_trainable_params(shape, 8, targets, []) == peft_model.get_nb_trainable_parameters()[0]
     with pytest.raises(families.UserError, match="not a linear of a"):
         peft_trainable_params(shape, 8, ["q_proj", "qkv_proj"], [])
 
 
+@pytest.mark.slow
 def test_unknown_architecture_is_one_message_listing_the_supported_ones(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 64}))
@@ -114,6 +117,7 @@ CHAT = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": 
         {"role": "assistant", "content": "Sure."}]
 
 
+@pytest.mark.slow
 def test_qwen3_thinking_block_last_turn_trained_earlier_turns_in_history_form():
     tok = _tokenizer("qwen3")
     # the last turn as the template renders it (an empty thinking block, which the model learns to emit: the
@@ -132,6 +136,7 @@ def test_qwen3_thinking_block_last_turn_trained_earlier_turns_in_history_form():
     assert families.answer_text(FAMILIES["llama"], "<think>x</think>y") == "<think>x</think>y"
 
 
+@pytest.mark.slow
 def test_the_base_qwen3_answers_without_reasoning_the_fine_tune_as_trained():
     """check/eval's base column and data.replay prompt the base model with enable_thinking=False: Qwen3 reasons
     by default, and a reasoning block cut off at the token budget would be scored (and replayed) as the answer."""
@@ -144,6 +149,7 @@ def test_the_base_qwen3_answers_without_reasoning_the_fine_tune_as_trained():
     assert families.base_template_kwargs(FAMILIES["llama"]) == {} == families.base_template_kwargs(None)
 
 
+@pytest.mark.slow
 def test_gemma_folds_the_system_prompt_into_the_first_user_turn_unlabelled():
     tok = _tokenizer("gemma3")
     ids, labels = encode_chat(tok, CHAT, "all_assistant", "test")
@@ -154,6 +160,7 @@ def test_gemma_folds_the_system_prompt_into_the_first_user_turn_unlabelled():
         encode_chat(tok, [CHAT[1], CHAT[1], CHAT[2]], "all_assistant", "test")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_end_of_turn_is_what_the_familys_template_ends_a_turn_with(name):
     from zerotune.chat_template import hf_end_tokens
@@ -165,11 +172,11 @@ def test_end_of_turn_is_what_the_familys_template_ends_a_turn_with(name):
 
 
 def test_planner_shapes_from_the_public_configs():
-    from zerotune.planner.memory import _shape_from_config
+    from zerotune.planner.memory import shape_of
 
-    q = _shape_from_config(str(families.public_config("Qwen/Qwen3-8B")))
+    q = shape_of(str(families.public_config("Qwen/Qwen3-8B")))
     assert (q.family, q.n_params, q.tied, q.sliding_layers) == ("qwen3", 8_190_735_360, False, 0)
-    g = _shape_from_config(str(families.public_config("google/gemma-3-12b-it")))
+    g = shape_of(str(families.public_config("google/gemma-3-12b-it")))
     assert (g.family, g.n_params, g.tied, g.vocab) == ("gemma3", 11_766_034_176, True, 262_208)
     assert (g.sliding_layers, g.sliding_window, g.largest_layer_params) == (40, 1024, 262_208 * 3840)
     assert families.public_config("Qwen/Qwen3-80B") is None
@@ -180,12 +187,12 @@ def test_qwen3_8b_plan_on_one_v100_node():
     from zerotune.planner.compute import compute_plan
 
     p = compute_plan(load_recipe("qwen3_8b_zero3"))
-    assert p.recipe_config["fits"] and p.choice["precision"] == "fp16" and p.model["family"] == "qwen3"
-    sixteen = next(o for o in p.options if o["seq_len"] == 16384 and o["micro_batch_size"] == 1)
-    assert not sixteen["fits"]  # why the recipe runs 8K rows, not llama8b_zero3's 16K (its comment says so)
+    assert p.recipe_batch.fits and p.choice.precision == "fp16" and p.model.family == "qwen3"
+    sixteen = next(o for o in p.options if o.seq_len == 16384 and o.micro_batch_size == 1)
+    assert not sixteen.fits  # why the recipe runs 8K rows, not llama8b_zero3's 16K (its comment says so)
     gemma = compute_plan(load_recipe("qwen3_8b_zero3", ["model.name_or_path=google/gemma-3-12b-it"]))
-    assert gemma.choice["precision"] == "fp32"  # never fp16 on a V100; and the plan times fp32 at its peak
-    assert gemma.time["seconds_per_step"] > 8 * p.time["seconds_per_step"]
+    assert gemma.choice.precision == "fp32"  # never fp16 on a V100; and the plan times fp32 at its peak
+    assert gemma.time.seconds_per_step > 8 * p.time.seconds_per_step
 
 
 def test_llama_cpp_constraints_for_gemma3():

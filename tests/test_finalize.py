@@ -48,32 +48,34 @@ def test_stored_probe_is_bounded_at_8b():
 
 def test_finalize_host_ram_of_the_qlora_merge_at_8b():
     from zerotune.planner.compute import compute_plan
-    from zerotune.planner.report import format_plan
     from zerotune.planner.finalize_ram import INTERPRETER_BYTES
+    from zerotune.planner.records import FinalizeHostRam
+    from zerotune.planner.report import format_plan, warning
 
     r = load_recipe("llama8b_qlora_t4")
     p = compute_plan(r)
-    assert p.model["n_params"] == LLAMA8B_PARAMS
-    parts = p.finalize["parts"]
+    assert p.model.n_params == LLAMA8B_PARAMS
+    parts = p.phases.finalize.parts
     # fp16 base (T4 trains in fp16), r=16 adapters on the 7 linears of 32 layers in fp32,
     # B @ A of the largest linear (14336 x 4096) in fp32 plus its fp16 cast, 3 fp32 probe logits
     lora = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
     assert lora == 41_943_040
     expected = (LLAMA8B_PARAMS * 2 + lora * 4 + 14336 * 4096 * (4 + 2) + 3 * 256 * LLAMA8B_VOCAB * 4
                 + INTERPRETER_BYTES)
-    assert sum(parts.values()) == p.finalize["peak_bytes"] == expected
+    assert sum(parts.values()) == p.phases.finalize.peak_bytes == expected
     assert 17.5e9 < expected < 18.5e9 <= 32e9  # the recipe comment says 18.0 GB, within plan.cpu_ram_gb 32
     assert "finalize (after training, CPU): peak host RAM 18.0 GB of 32 GB (plan.cpu_ram_gb): fits" in format_plan(p)
-    assert not any("finalize" in w for w in p.warnings)
+    assert not any("finalize" in warning(w) for w in p.warnings)
     small = compute_plan(load_recipe("llama8b_qlora_t4", ["plan.cpu_ram_gb=16"]))
-    assert any("finalize" in w and "18.0 GB" in w for w in small.warnings)
+    assert any(isinstance(w, FinalizeHostRam) and "finalize" in warning(w) and "18.0 GB" in warning(w)
+               for w in small.warnings)
     assert "DOES NOT FIT" in format_plan(small)
 
 
 def test_finalize_host_ram_of_full_fine_tuning_has_no_merge_terms():
     from zerotune.planner.compute import compute_plan
 
-    parts = compute_plan(load_recipe("llama8b_zero3")).finalize["parts"]
+    parts = compute_plan(load_recipe("llama8b_zero3")).phases.finalize.parts
     assert not any("adapter" in k or "merge" in k for k in parts)
     assert next(v for k, v in parts.items() if k.startswith("model")) == 2 * LLAMA8B_PARAMS
 
@@ -88,45 +90,46 @@ def _fake_zero_checkpoint(root, ranks: int, step: int = 4):
 
 
 def test_world_size_change_is_detected_and_refused_only_where_the_batch_or_order_cannot_stay(tmp_path):
-    """universal.needed/check, before anything is converted: one message each, naming the fix."""
+    """reshard.saved_world_if_other/refuse_unresumable, before anything is converted: one message each, naming
+    the fix."""
     import json
 
-    from zerotune import universal
+    from zerotune import reshard
     from zerotune.checkpoint import MARKER, saved_world_size
 
     ckpt = _fake_zero_checkpoint(tmp_path / "checkpoints", 4)
     assert saved_world_size(ckpt) == 4
-    assert universal.needed(ckpt, 4) is None and universal.needed(None, 1) is None
-    assert universal.needed(ckpt, 2) == 4
+    assert reshard.saved_world_if_other(ckpt, 4) is None and reshard.saved_world_if_other(None, 1) is None
+    assert reshard.saved_world_if_other(ckpt, 2) == 4
     plain = tmp_path / "plain" / "checkpoint-2"  # no DeepSpeed (QLoRA): its optimizer.pt is whole, no conversion
     plain.mkdir(parents=True)
     (plain / "adapter_model.safetensors").write_bytes(b"")
-    assert saved_world_size(plain) is None and universal.needed(plain, 3) is None
+    assert saved_world_size(plain) is None and reshard.saved_world_if_other(plain, 3) is None
 
     # tiny: 1,024 tokens = 4 rows of 256 per step: 1, 2 or 4 processes keep it
     r = load_recipe("tiny", [f"output_dir={tmp_path}"])
     for world in (1, 2):
-        universal.check(r, ckpt, 4, world)
+        reshard.refuse_unresumable(r, ckpt, 4, world)
     with pytest.raises(UserError) as e:
-        universal.check(r, ckpt, 4, 3)
+        reshard.refuse_unresumable(r, ckpt, 4, 3)
     msg = str(e.value)
     assert "3 processes cannot split it evenly" in msg and "divides 4: 2 or 4" in msg and "\n" not in msg
     with pytest.raises(UserError) as e:
-        universal.check(load_recipe("tiny", [f"output_dir={tmp_path}", "data.packing=false"]), ckpt, 4, 2)
+        reshard.refuse_unresumable(load_recipe("tiny", [f"output_dir={tmp_path}", "data.packing=false"]), ckpt, 4, 2)
     assert "data.packing=false" in str(e.value) and "Resume with 4 processes" in str(e.value)
     (ckpt / MARKER).write_text(json.dumps({"step": 4, "world_size": 4, "global_batch_tokens": 2048}))
     with pytest.raises(UserError) as e:
-        universal.check(r, ckpt, 4, 2)
+        reshard.refuse_unresumable(r, ckpt, 4, 2)
     assert "trained with train.global_batch_tokens=2,048 and this run asks for 1,024" in str(e.value)
-    # at the checkpoint's own world size too (prepare() calls it for every resume, converted or not)
+    # at the checkpoint's own world size too (convert_for() calls it for every resume, converted or not)
     with pytest.raises(UserError, match="trained with train.global_batch_tokens=2,048"):
-        universal.check_batch(r, ckpt)
+        reshard.refuse_other_batch(r, ckpt)
 
 
 def test_finalize_gets_the_jobs_cpus(monkeypatch):
     import os
 
-    from zerotune.train import job_cpus
+    from zerotune.train.finalize import job_cpus
 
     mine = len(os.sched_getaffinity(0))
     monkeypatch.delenv("SLURM_CPUS_ON_NODE", raising=False)
@@ -137,6 +140,7 @@ def test_finalize_gets_the_jobs_cpus(monkeypatch):
     assert job_cpus() == mine
 
 
+@pytest.mark.slow
 def test_lora_finalize_in_fp16_on_cpu(tmp_path, tiny_model_dir):
     """The GPU-run path of finalize (16-bit merge, save, reload) exercised on the CPU in fp16."""
     import torch
@@ -174,7 +178,7 @@ def test_fp16_loss_scale_follows_grad_accum_across_a_world_size_change():
     """DeepSpeed's own dynamic scaler, as the universal load restores it: rescaled for the new grad-accum."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from zerotune.train.universal_load import rescale_loss_scale
+    from zerotune.train.reshard_load import rescale_loss_scale
 
     kw = dict(scale_window=1000, min_scale=1.0, delayed_shift=2, consecutive_hysteresis=False)  # DeepSpeed defaults
     s = DynamicLossScaler(init_scale=2.0 ** 12, **kw)

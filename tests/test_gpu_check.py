@@ -49,6 +49,7 @@ def gw(gc):
 
 # --- command line -------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_without_cuda_prints_one_line_and_exits_0(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no device even on a GPU machine
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "out")], capture_output=True,
@@ -241,6 +242,7 @@ def _model(cfg, attn):
 
 # --- the 8B slice and the plan ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_slice_layers_for_a_card_memory(gc, tmp_path):
     """At ZeRO-3 world size 1 and 16K tokens: one layer of the 8B width fits a V100's 31.75 GiB (the two 128,256 x
     4,096 matrices alone are 1.05B of its 1.27B parameters), none fits a T4, more fit an H100 and an H200; each
@@ -251,7 +253,7 @@ def test_slice_layers_for_a_card_memory(gc, tmp_path):
         cfg = gc.write_config(tmp_path / f"{gpu}-{n}.json", gc.shape_config("8b", n))
         p = planmod.compute_plan(gc.recipe(gc.zero3_recipe("t", cfg, tmp_path / "o", 16384, 3, plan_gpu=gpu)),
                                  gpu=gpu, gpus_per_node=1, nodes=1)
-        return p.memory["peak_bytes"], p.memory["capacity_bytes"]
+        return p.memory.peak_bytes, p.memory.capacity_bytes
 
     got = {gpu: gc.slice_layers(gpu, 16384, 3, tmp_path / gpu) for gpu in ("v100-32gb", "t4", "h100-80gb", "h200")}
     assert got["v100-32gb"][0] == 1 and got["t4"] == (0, 0)
@@ -264,7 +266,7 @@ def test_slice_layers_for_a_card_memory(gc, tmp_path):
 
 
 def test_shapes_by_hand(gc, tmp_path):
-    from zerotune.planner.memory import model_shape
+    from zerotune.planner.target import model_shape
 
     def n_params(cfg):
         return model_shape(gc.recipe(gc.zero3_recipe("t", gc.write_config(tmp_path / f"{id(cfg)}.json", cfg),
@@ -394,6 +396,7 @@ def test_crash_reason(gc):
     assert "signal 9: killed, host out of memory?" in gc.crash_reason(-9, "")
 
 
+@pytest.mark.slow
 def test_worker_process_protocol(gc, tmp_path, monkeypatch):
     """A real worker process: its failure (no CUDA) comes back as a FAIL row with one line, its log is kept."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -405,6 +408,7 @@ def test_worker_process_protocol(gc, tmp_path, monkeypatch):
     assert "gpu_check_worker.py env" in log and gc.ROW_MARK in log and (tmp_path / "env.spec.json").exists()
 
 
+@pytest.mark.slow
 def test_parent_with_fake_workers(gc, tmp_path, monkeypatch, capsys):
     """The parent's GPU branch with the worker processes replaced: the header, the rows with their plan, the 8B
     slice's layers, the resume handed what was saved, the A/B row from both runs, JSON + markdown, exit 1 on a FAIL."""

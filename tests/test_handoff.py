@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from zerotune.train.handoff import PROBE_FILE, Probe, RunRecord, Stopped
+from zerotune.train.handoff import PROBE_FILE, Probe, RunRecord, StopRecord
 
 
-def test_stopped_and_run_record_round_trip(tmp_path):
-    assert Stopped.read(tmp_path / "stopped.json") is None
-    s = Stopped(step=4, signal="SIGUSR1", checkpoint="runs/x/checkpoints/checkpoint-4", committed=True)
+def test_stop_record_and_run_record_round_trip(tmp_path):
+    assert StopRecord.read(tmp_path / "stopped.json") is None
+    s = StopRecord(step=4, signal="SIGUSR1", checkpoint="runs/x/checkpoints/checkpoint-4", committed=True)
     s.write(tmp_path / "stopped.json")
-    assert Stopped.read(tmp_path / "stopped.json") == s
+    assert StopRecord.read(tmp_path / "stopped.json") == s
     rec = RunRecord(world_size=2, device="cpu", data_fingerprint="abc", choice={"precision": "fp32"},
                     batch={"grad_accum": 2}, steps=16, elapsed_s=12.5, base="runs/x/base")
     rec.write(tmp_path / "run.json")

@@ -115,8 +115,8 @@ def test_the_launch_refuses_a_wheel_without_the_cards_kernels(monkeypatch, tmp_p
     from zerotune.config import load_recipe
     from zerotune.errors import EXIT_CODE, UserError, report
     from zerotune.hardware import require_kernels
-    from zerotune.train import before_launch
-    from zerotune.universal import prepare  # noqa: F401  # before_launch's imports, loaded before torch is faked:
+    from zerotune.train.launch import before_launch
+    from zerotune.reshard import convert_for  # noqa: F401  # before_launch's imports, loaded before torch is faked:
     # they load peft and bitsandbytes, which read torch.version.cuda at import
 
     _cuda(monkeypatch, V100, "Tesla V100-SXM2-32GB", ARCHS["2.11.0+cu130"])

@@ -118,6 +118,7 @@ def test_an_uncached_hub_id_says_to_fetch_it(hf_home, tmp_path):
         "nodes do not download.")
 
 
+@pytest.mark.slow
 def test_a_hub_tokenizer_is_checked_on_its_own(hf_home, tmp_path, tiny_model_dir):
     r = load_recipe("tiny", [f"output_dir={tmp_path}", f"model.name_or_path={tiny_model_dir}", "model.init_config=",
                              "model.tokenizer=org/tokenizer"])
@@ -129,7 +130,7 @@ def test_a_hub_tokenizer_is_checked_on_its_own(hf_home, tmp_path, tiny_model_dir
 
 def test_the_shipped_8b_recipes_stop_before_launch_until_fetched(hf_home, tmp_path):
     """before_launch (zerotune finetune, slurm/job.py preflight) checks the weights first: before data, plan or disk."""
-    from zerotune.train import before_launch
+    from zerotune.train.launch import before_launch
 
     for name in ("llama8b_zero3", "llama8b_lora_zero3", "llama8b_zero3_offload", "llama8b_qlora_t4"):
         with pytest.raises(UserError) as e:
@@ -216,6 +217,7 @@ def closed_port() -> int:
     return free_port()  # closed again on return: connecting is refused at once
 
 
+@pytest.mark.slow
 def test_fetch_random_init_and_local_folder_recipes_has_nothing_to_do(tmp_path, tiny_model_dir):
     proc = fetch(tmp_path / "hf", "tiny", endpoint=f"http://127.0.0.1:{closed_port()}")
     assert proc.returncode == 0, proc.stderr
@@ -230,12 +232,14 @@ def test_fetch_random_init_and_local_folder_recipes_has_nothing_to_do(tmp_path, 
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_fetch_offline_is_one_line(tmp_path):
     one_line(fetch(tmp_path / "hf", "llama8b_zero3", offline=True),
              "model.name_or_path 'meta-llama/Llama-3.1-8B-Instruct' cannot be downloaded: HF_HUB_OFFLINE",
              f"HF_HOME={tmp_path / 'hf'}", "on a node with internet")
 
 
+@pytest.mark.slow
 def test_fetch_without_network_is_one_line(tmp_path):
     endpoint = f"http://127.0.0.1:{closed_port()}"
     one_line(fetch(tmp_path / "hf", "llama8b_zero3", endpoint=endpoint),
@@ -302,6 +306,7 @@ def fake_hub(request):
     hub.server_close()
 
 
+@pytest.mark.slow
 def test_fetch_downloads_the_safetensors_model_into_the_cache(tmp_path, fake_hub, monkeypatch):
     home = tmp_path / "hf"
     proc = fetch(home, "tiny", f"model.name_or_path={REPO_ID}", "model.init_config=", f"model.tokenizer={REPO_ID}",
@@ -324,6 +329,7 @@ def test_fetch_downloads_the_safetensors_model_into_the_cache(tmp_path, fake_hub
     assert f"model.name_or_path '{REPO_ID}': already in the cache" in again.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fake_hub", [True], indirect=True, ids=["gated"])
 def test_fetch_of_a_gated_model_without_access_says_how_to_get_it(tmp_path, fake_hub):
     line = one_line(fetch(tmp_path / "hf", "tiny", f"model.name_or_path={REPO_ID}", "model.init_config=",

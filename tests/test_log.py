@@ -62,6 +62,7 @@ def test_progress_on_a_terminal_is_one_live_bar():
     assert "50/50" in text and "tok/s" in text
 
 
+@pytest.mark.slow
 def test_each_logged_step_is_printed_once(tmp_path, capsys):
     """The Trainer adds PrinterCallback when disable_tqdm=True: it would print every logged step again as a dict."""
     import torch
@@ -124,15 +125,17 @@ def test_a_printed_line_is_dropped_and_the_rest_kept(capsys):
 
 
 def test_worker_error_handoff_is_written_by_every_rank_and_printed_by_local_rank_0(tmp_path, capsys, monkeypatch):
+    from zerotune.train.handoff import hand_off
+
     e = errors.UserError("train.global_batch_tokens=1,000 is not a multiple of 512.")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("RANK", "1")
-    assert errors.hand_off(tmp_path, e) == 2
+    assert hand_off(tmp_path, e) == 2
     assert capsys.readouterr().err == ""
     assert errors.read_handoff(tmp_path)["printed"] is False  # only rank 1 failed: the launcher must print it
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("RANK", "0")
-    assert errors.hand_off(tmp_path, e) == 2
+    assert hand_off(tmp_path, e) == 2
     assert capsys.readouterr().err == f"zerotune: {e}\n"
     h = errors.read_handoff(tmp_path)
     assert h["printed"] is True and h["message"] == str(e) and h["type"] == "UserError"

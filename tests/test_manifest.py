@@ -1,4 +1,5 @@
-"""The output helpers every stage uses: publish (stage beside, then swap), JSON Lines read/append/rewind."""
+"""The output helpers every stage uses: the atomic file write, publish (stage beside, then swap), JSON Lines
+read/append/rewind."""
 
 from __future__ import annotations
 
@@ -7,6 +8,24 @@ import json
 import pytest
 
 from zerotune import manifest as mf
+
+
+def test_write_atomic_replaces_a_file_whole_and_leaves_nothing_beside_it(tmp_path, monkeypatch):
+    """Text (UTF-8) or bytes, fsynced or not, into a folder made for it; a write that fails leaves the old file and
+    no temp file."""
+    import os
+
+    f = tmp_path / "sub" / "a.txt"
+    mf.write_atomic(f, "caf\u00e9\n")
+    assert f.read_bytes() == "caf\u00e9\n".encode("utf-8")
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    mf.write_atomic(f, b"\x00\x01", fsync=True)
+    assert f.read_bytes() == b"\x00\x01" and len(synced) == 1
+    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        mf.write_atomic(f, "never seen")
+    assert f.read_bytes() == b"\x00\x01" and [p.name for p in f.parent.iterdir()] == ["a.txt"]
 
 
 def test_publish_replaces_a_folder_and_leaves_nothing_beside_it(tmp_path):

@@ -24,18 +24,19 @@ def test_peft_section_loads_and_qlora_refuses_deepspeed():
 
 def test_planner_lora_terms():
     from zerotune.planner.compute import compute_plan
-    from zerotune.planner.memory import model_shape, peft_trainable_params
+    from zerotune.planner.memory import peft_trainable_params
+    from zerotune.planner.target import model_shape
 
     r = load_recipe("llama8b_lora_zero3")
     shape = model_shape(r)
     # r x (in + out) over q,k,v,o,gate,up,down: 16 x 81,920 per layer x 32 layers
     assert peft_trainable_params(shape, 16, r.peft.target_modules, []) == 41_943_040
-    lora = compute_plan(r).memory["parts"]["model states (DeepSpeed estimator)"]
-    full = compute_plan(load_recipe("llama8b_zero3")).memory["parts"]["model states (DeepSpeed estimator)"]
+    lora = compute_plan(r).memory.parts["model states (DeepSpeed estimator)"]
+    full = compute_plan(load_recipe("llama8b_zero3")).memory.parts["model states (DeepSpeed estimator)"]
     assert lora < full / 4
     q = compute_plan(load_recipe("llama8b_qlora_t4"))
-    assert q.memory["peak_bytes"] < 15 * 1024 ** 3  # one T4
-    assert "no ZeRO sharding" in q.memory["model_states_how"]
+    assert q.memory.peak_bytes < 15 * 1024 ** 3  # one T4
+    assert "no ZeRO sharding" in q.memory.model_states_how
 
 
 def test_lora_linears_are_zero3_leaves():

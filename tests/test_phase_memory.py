@@ -19,7 +19,7 @@ What is compared, like for like:
               same resident terms and margin.
   replay      answering.hf_answers itself (self-distilled replay's generation, data/replay.py) on prompts of
               different lengths rendered by the real Llama-3.1 tokenizer, B per left-padded batch, so that the
-              attention mask has zeros and transformers builds the 4D mask. Predicted: phases.replay_plan on the
+              attention mask has zeros and transformers builds the 4D mask. Predicted: replay.replay_plan on the
               same shape (B rows, the longest prompt's tokens), less the resident weights and the margin.
 One exclusion: torch 2.13's CPU SDPA kernel (aten::_scaled_dot_product_flash_attention_for_cpu) allocates a
 scratch buffer per thread that it frees before returning (about 70-600 KiB per thread at these shapes). It belongs
@@ -75,7 +75,8 @@ from conftest import allocation_events
 from zerotune.attention import load_name
 from zerotune.planner import calibration
 from zerotune.planner.memory import ModelShape, memory_breakdown
-from zerotune.planner.phases import MODEL_STATES, phase_plan, replay_plan
+from zerotune.planner.phases import MODEL_STATES, phase_plan
+from zerotune.planner.replay import replay_plan
 
 BELOW, ABOVE = 0.01, 0.10  # see the module docstring
 SCRATCH_OPS = {"aten::_scaled_dot_product_flash_attention_for_cpu"}
@@ -178,7 +179,7 @@ def _predicted(c) -> dict:
     margin = set(calibration.overheads(1, world=1, gpu_is_cuda=False))
     out = {}
     for phase in ("validation", "samples"):
-        parts = {k: v for k, v in plan[phase]["parts"].items() if k not in RESIDENT | margin}
+        parts = {k: v for k, v in getattr(plan, phase).parts.items() if k not in RESIDENT | margin}
         out[phase] = (sum(parts.values()), parts)
     return out
 
@@ -326,8 +327,8 @@ def _replay_case(c, words, batch, new, tokenizer) -> dict:
     plan = replay_plan(m, prompts=len(rows), batch=batch, prompt_tokens=max(lengths), max_new_tokens=new, e=4,
                        on_gpu=False, capacity=1 << 40)
     margin = set(calibration.overheads(1, world=1, gpu_is_cuda=False))
-    resident = {"interpreter + libraries"} | {k for k in plan["parts"] if k.startswith("weights")}
-    parts = {k: v for k, v in plan["parts"].items() if k not in margin | resident}
+    resident = {"interpreter + libraries"} | {k for k in plan.phase.parts if k.startswith("weights")}
+    parts = {k: v for k, v in plan.phase.parts.items() if k not in margin | resident}
     want = sum(parts.values())
     return {"measured": got["peak"], "predicted": want, "error": want / got["peak"] - 1, "parts": parts,
             "lengths": lengths, "with_scratch": got["peak_with_scratch"]}
@@ -336,7 +337,7 @@ def _replay_case(c, words, batch, new, tokenizer) -> dict:
 @pytest.fixture(scope="module")
 def replay_table(tokenizer):
     results = {label: _replay_case(*case, tokenizer) for label, case in REPLAY_CONFIGS.items()}
-    print("\nReplay generation (answering.hf_answers), measured on CPU vs phases.replay_plan:\n"
+    print("\nReplay generation (answering.hf_answers), measured on CPU vs replay.replay_plan:\n"
           "| configuration | measured (KiB) | predicted (KiB) | error | peak with CPU SDPA scratch (KiB) |\n|---|---:|---:|---:|---:|\n"
           + "\n".join(f"| {label} | {r['measured'] / 1024:,.1f} | {r['predicted'] / 1024:,.1f} | {r['error']:+.1%} | "
                       f"{r['with_scratch'] / 1024:,.1f} |" for label, r in results.items()))

@@ -71,17 +71,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from zero3_cpu import MODEL, WORLD, launch  # the tiny Llama and the 2-rank CPU torchrun, shared with test_zero3_collectives
+
 REPO = Path(__file__).resolve().parents[1]
-MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-             vocab_size=1024, max_position_embeddings=256, tie_word_embeddings=False)
-SEQ, WORLD = 64, 2
+SEQ = 64
 BELOW, ABOVE = 0.01, 0.05  # see the module docstring
 LABEL = "zt:"
 COLLECTIVE_OPS = ("c10d::", "gloo:")  # gloo stages a collective's output in scratch it frees before returning
@@ -288,40 +287,16 @@ def _worker(mode: str, out: Path) -> None:
 # The tests (pytest runs this file)
 # ---------------------------------------------------------------------------------------------
 
-def _launch(mode: str, out: Path, worker: str = __file__) -> None:
-    """torchrun `worker` (a test file that is its own worker) on WORLD CPU ranks as zerotune's CPU training is."""
-    from zerotune.ports import free_port
-
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # as train/launch.py on CPU
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(Path(worker).resolve()), mode, str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "SIGABRT" in proc.stderr:
-        # Once in about 13 launches while building this test a rank died of SIGABRT during the profiled save
-        # (the profiler beside gloo's threads; cause not found). The measurement is deterministic, so a crash by
-        # that signal is retried once, and said; any other failure, or a second crash, fails the test.
-        import warnings
-
-        warnings.warn(f"{mode} worker died of SIGABRT; retrying once:\n{proc.stderr[-1500:]}")
-        cmd[5] = f"--master_port={free_port()}"
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:  # the workers' own lines first: torchrun's summary at the end hides why they died
-        own = "\n".join(line for line in proc.stderr.splitlines()
-                        if line.startswith("[rank") or "terminate" in line or "Error" in line)
-        raise AssertionError(f"{mode} worker failed ({proc.returncode}):\n{own[-6000:]}\n{proc.stdout[-3000:]}\n"
-                             f"{proc.stderr[-3000:]}")
-
-
 def _predicted(tmp: Path) -> dict:
     """phase_plan's terms for this model, the shipped ZeRO-3 config, 2 ranks on one node, bf16."""
     from transformers import LlamaConfig
 
     from zerotune.planner import calibration
-    from zerotune.planner.memory import _shape_from_config, memory_breakdown
+    from zerotune.planner.memory import memory_breakdown, shape_of
     from zerotune.planner.phases import MODEL_STATES, phase_plan
 
     LlamaConfig(**MODEL).save_pretrained(tmp / "config")
-    m = _shape_from_config(str(tmp / "config"))
+    m = shape_of(str(tmp / "config"))
     zero = json.loads((REPO / "configs" / "deepspeed" / "zero3.json").read_text())["zero_optimization"]
     common = dict(precision="bf16", attention="sdpa", liger=False, packing=False)
 
@@ -336,24 +311,24 @@ def _predicted(tmp: Path) -> dict:
     p = plan(zero)
     # save_host is max(16-bit consolidation on rank 0, torch.save staging); at this shape the staging term (not
     # observable on CPU) is the larger, so read the consolidation term from a plan whose staging is negligible
-    consolidated = plan({**zero, "sub_group_size": 1})["save_host"]["parts"]["16-bit weights consolidated on rank 0"]
+    consolidated = plan({**zero, "sub_group_size": 1}).save_host.parts["16-bit weights consolidated on rank 0"]
     resident = {MODEL_STATES, "reduce bucket", "GA micro-batches (still bound)",
                 *calibration.overheads(1, world=WORLD, gpu_is_cuda=False)}
     shards = "optimizer shards loaded (fp32 master + Adam m, v), every rank"
     return {"m": m, "largest_layer_allowance": 4 * m.largest_layer_params,
-            "model_states": p["save"]["parts"][MODEL_STATES],
-            "save_transient": {k: v for k, v in p["save"]["parts"].items() if k not in resident},
+            "model_states": p.save.parts[MODEL_STATES],
+            "save_transient": {k: v for k, v in p.save.parts.items() if k not in resident},
             "save_host_consolidated": consolidated,
-            "resume_gpu": p["resume"]["parts"]["loaded Adam moments beside the live ones"],
-            "resume_host_per_rank": p["resume_host"]["parts"][shards] // WORLD}
+            "resume_gpu": p.resume.parts["loaded Adam moments beside the live ones"],
+            "resume_host_per_rank": p.resume_host.parts[shards] // WORLD}
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3_phases")
     t0 = time.perf_counter()
-    _launch("save", out)
-    _launch("resume", out)
+    launch(__file__, "save", out)
+    launch(__file__, "resume", out)
     took = time.perf_counter() - t0
     r = {(mode, rank): json.loads((out / f"{mode}_rank{rank}.json").read_text())
          for mode in ("save", "resume") for rank in range(WORLD)}

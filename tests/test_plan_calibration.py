@@ -15,7 +15,7 @@ import pytest
 
 from zerotune.config import REPO_ROOT
 from zerotune.planner import calibration as cal
-from zerotune.planner.memory import GiB, _shape_from_config, memory_breakdown, offload_handoff_bytes
+from zerotune.planner.memory import GiB, memory_breakdown, offload_handoff_bytes, shape_of
 
 MiB = 2 ** 20
 TOL, FLOOR = 0.10, 0.05  # issue 19: within +-10%, never below by more than 5%
@@ -81,7 +81,7 @@ def test_load_path_counts_only_without_zero_init():
 def test_offload_handoff_from_deepspeed_source():
     # 8B over 4 GPUs: the embedding's partition (525,336,576 / 4) passes through the GPU as an fp32
     # partition, an fp32 copy of the pinned buffer and an fp64 norm temporary: 16 B per element.
-    m = _shape_from_config(str(MODELS["8b"]))
+    m = shape_of(str(MODELS["8b"]))
     off = {**ZERO3, "offload_optimizer": {"device": "cpu"}}
     assert offload_handoff_bytes(m, off, 4, accum_bytes=4) == 16 * 131_334_144
     assert offload_handoff_bytes(m, off, 4, accum_bytes=2) == 12 * 131_334_144
@@ -123,13 +123,13 @@ def _issue_config(model, gpus, offload):
     zero = dict(ZERO3)
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    return memory_breakdown(_shape_from_config(str(MODELS[model])), seq=512, micro=1, precision="fp16",
+    return memory_breakdown(shape_of(str(MODELS[model])), seq=512, micro=1, precision="fp16",
                             attention="sdpa", liger=False, checkpointing=True, packing=False, zero=zero,
                             gpus_per_node=gpus, nodes=1, gpu_is_cuda=True, grad_accum_bytes=4)  # zero3.json: fp32
 
 
 def test_llama32_1b_config_is_the_public_one():
-    assert _shape_from_config(str(MODELS["1b"])).n_params == 1_235_814_400  # tied embeddings
+    assert shape_of(str(MODELS["1b"])).n_params == 1_235_814_400  # tied embeddings
 
 
 @pytest.mark.parametrize("model,gpus,offload,old,under", ISSUE_19)

@@ -15,11 +15,14 @@ from zerotune.config import load_recipe
 from zerotune.planner import calibration
 from zerotune.planner.disk import disk_events
 from zerotune.planner.memory import GiB, ModelShape, memory_breakdown, prefetched_batches_bytes
-from zerotune.planner.phases import (REPLAY_DECODE_EFFICIENCY, eval_loss_bytes, generation_parts, nograd_layer_bytes,
-                                     phase_plan, quantize_host_bytes, replay_plan)
-from zerotune.planner.compute import PlanError, compute_plan
+from zerotune.planner.compute import compute_plan
 from zerotune.planner.gate import disk_preflight, preflight
+from zerotune.planner.phases import (eval_loss_bytes, generation_parts, nograd_layer_bytes, phase_plan,
+                                     quantize_host_bytes)
+from zerotune.planner.records import Phases, Plan
+from zerotune.planner.replay import REPLAY_DECODE_EFFICIENCY, replay_plan
 from zerotune.planner.report import format_plan
+from zerotune.planner.target import PlanError
 
 # hidden 64, 4 heads of 16 (q 64), 2 KV heads (kv 32), intermediate 128, vocab 256
 SMALL = ModelShape(n_params=100_000, largest_layer_params=16_384, hidden=64, layers=2, heads=4, kv_heads=2,
@@ -27,6 +30,10 @@ SMALL = ModelShape(n_params=100_000, largest_layer_params=16_384, hidden=64, lay
 N8B = 8_030_261_248
 PHASES = ["train_step", "validation", "samples", "save", "save_host", "resume", "resume_host", "finalize", "quantize"]
 usage = namedtuple("usage", "total used free")
+
+
+def names(ph: Phases) -> list[str]:
+    return [n for n, _ in ph.items()]
 
 
 def small_train(grad_accum: int = 5, liger: bool = False, micro: int = 2, seq: int = 8) -> dict:
@@ -62,7 +69,7 @@ def test_step_boundary_counts_two_steps_of_batches_only_beyond_the_freed_activat
 
 def test_8b_prefetched_batches(plan8b):
     # 480 micro-batches of 16,384 tokens: 480 x 16,384 x 3 x 8 B = 0.176 GiB, less the in-flight input_ids
-    assert plan8b.memory["parts"]["GA micro-batches (prefetched)"] == 480 * 16384 * 3 * 8 - 16384 * 8
+    assert plan8b.memory.parts["GA micro-batches (prefetched)"] == 480 * 16384 * 3 * 8 - 16384 * 8
 
 
 # --- no-grad forward terms -----------------------------------------------------------------------------------
@@ -145,21 +152,22 @@ def test_replay_plan_by_hand():
     prefill, decode = generation_parts(SMALL, rows=3, prompt=8, new_tokens=4, e=2, liger=False, padded=True,
                                        on_gpu=True)
     assert sum(prefill.values()) > sum(decode.values())
-    assert p["parts"]["weights (16-bit, whole model, one device)"] == 2 * SMALL.n_params
-    assert p["peak_bytes"] == with_overheads(2 * SMALL.n_params + sum(prefill.values()))  # one process: no NCCL
-    assert (p["rows"], p["batches"], p["generated_tokens_max"], p["seconds"]) == (3, 3, 28, None)  # no bandwidth
-    assert not replay_plan(SMALL, **{**kw, "capacity": 2 * SMALL.n_params})["fits"]
+    assert p.phase.parts["weights (16-bit, whole model, one device)"] == 2 * SMALL.n_params
+    assert p.phase.peak_bytes == with_overheads(2 * SMALL.n_params + sum(prefill.values()))  # one process: no NCCL
+    assert p.phase.fits and p.phase.limit == "gpu" and p.phase.capacity_bytes == GiB
+    assert (p.rows, p.batches, p.generated_tokens_max, p.time) == (3, 3, 28, None)  # no bandwidth: no time
+    assert not replay_plan(SMALL, **{**kw, "capacity": 2 * SMALL.n_params}).phase.fits
     # memory-bound: each of the 4 weight reads per batch also reads the cache of 3 rows x (8 + t) tokens, at 60%
     # of 100 GB/s; prefill 2 x params x 3 x 8 FLOPs at 1 TFLOPS x 0.5
     t = replay_plan(SMALL, **kw, bandwidth_gbs=100.0, peak_tflops=1.0, mfu=0.5)
     reads = sum(2 * SMALL.n_params + 256 * 3 * (8 + i) for i in range(4)) / (100e9 * REPLAY_DECODE_EFFICIENCY)
     prefill_s = 2 * SMALL.n_params * 3 * 8 / 0.5e12
-    assert t["memory_bound"] and t["seconds"] == pytest.approx(3 * (reads + prefill_s))
+    assert t.time.memory_bound and t.time.seconds == pytest.approx(3 * (reads + prefill_s))
     # compute-bound when the FLOPs of a step outlast its reads: 2 x params x rows per step
     c = replay_plan(SMALL, **kw, bandwidth_gbs=1e6, peak_tflops=1e-3, mfu=0.5)
-    assert not c["memory_bound"] and c["decode_s"] == pytest.approx(3 * 4 * 2 * SMALL.n_params * 3 / 0.5e9)
+    assert not c.time.memory_bound and c.time.decode_s == pytest.approx(3 * 4 * 2 * SMALL.n_params * 3 / 0.5e9)
     # a single prompt: one row, no padding (nothing to pad against)
-    assert replay_plan(SMALL, **{**kw, "prompts": 1})["rows"] == 1
+    assert replay_plan(SMALL, **{**kw, "prompts": 1}).rows == 1
 
 
 def test_eval_loss_by_hand():
@@ -200,27 +208,27 @@ def with_overheads(tensors: int) -> int:
 
 def test_small_phases_by_hand():
     ph = small_phases()
-    assert list(ph) == PHASES
+    assert names(ph) == PHASES and ph.reference is None
     states, batches = 16 * SMALL.n_params, 1920  # no DeepSpeed: 16 B/param; 5 x 2 x 8 x 3 x 8 B
     # validation: row of 8, the packed 8 x 8 bool mask, cos/sin 2 x 8 x 16 x 2 B; the output layer (1024 + 20616)
     # outweighs the largest layer block (1024 + 7296 with the mask)
     val = states + batches + 3 * 8 * 8 + 64 + 512 + (1024 + 20616)
-    assert ph["validation"]["peak_bytes"] == with_overheads(val)
+    assert ph.validation.peak_bytes == with_overheads(val)
     # samples: prefill of an 8-token prompt: KV 2 layers x 2 x 32 x 2 B x 8 + ids and mask, generate's position ids
     # and ids copy + cos/sin + the MLP block over the residual stream (two copies from layer 1 on: inputs_embeds and
     # the layer's input; no mask: is_causal) beats the decode's cache of 11 tokens
     samples = states + batches + 2 * 2 * 32 * 2 * 8 + 4 * 8 * 8 + 512 + (2 * 1024 + 8192)
-    assert ph["samples"]["peak_bytes"] == with_overheads(samples)
-    assert ph["save"]["peak_bytes"] == with_overheads(states + batches)
+    assert ph.samples.peak_bytes == with_overheads(samples)
+    assert ph.save.peak_bytes == with_overheads(states + batches)
     # resume: Adam m, v loaded beside the live ones; before the first step, no batches
-    assert ph["resume"]["peak_bytes"] == with_overheads(states + 8 * SMALL.n_params)
+    assert ph.resume.peak_bytes == with_overheads(states + 8 * SMALL.n_params)
     # host: one rank; torch.save stages the largest parameter's fp32 moment (no ZeRO), the 16-bit weights
     # (2 B x 100,000) are larger
-    assert ph["save_host"]["parts"] == {"rank processes (1 GiB each: a floor, measured without CUDA)": GiB,
+    assert ph.save_host.parts == {"rank processes (1 GiB each: a floor, measured without CUDA)": GiB,
                                         "16-bit weights consolidated on rank 0": 2 * SMALL.n_params}
-    assert ph["resume_host"]["peak_bytes"] == GiB + 12 * SMALL.n_params
-    assert all(ph[k]["limit"] == "host" for k in ("save_host", "resume_host", "finalize", "quantize"))
-    assert all(ph[k]["limit"] == "gpu" and ph[k]["capacity_bytes"] == GiB
+    assert ph.resume_host.peak_bytes == GiB + 12 * SMALL.n_params
+    assert all(getattr(ph, k).limit == "host" for k in ("save_host", "resume_host", "finalize", "quantize"))
+    assert all(getattr(ph, k).limit == "gpu" and getattr(ph, k).capacity_bytes == GiB
                for k in ("train_step", "validation", "samples", "save", "resume"))
 
 
@@ -228,14 +236,14 @@ def test_small_validation_with_liger_has_no_logits():
     ph = small_phases(liger=True)
     # fused loss 2224 + final norm 1024 < two residual copies 2048 + the MLP block 8192 (attention with the
     # mask: 7296)
-    assert ph["validation"]["parts"]["residual stream"] == 2 * 1024
-    assert ph["validation"]["parts"]["one layer, no grad (mlp block)"] == 1024 + 3 * 2 * 8 * 128 + 1024
-    assert not any("output layer" in k for k in ph["validation"]["parts"])
+    assert ph.validation.parts["residual stream"] == 2 * 1024
+    assert ph.validation.parts["one layer, no grad (mlp block)"] == 1024 + 3 * 2 * 8 * 128 + 1024
+    assert not any("output layer" in k for k in ph.validation.parts)
 
 
 def test_phases_that_do_not_run_are_marked():
     ph = small_phases(validation_runs=False, samples=0)
-    assert not ph["validation"]["runs"] and not ph["samples"]["runs"] and ph["save"]["runs"]
+    assert not ph.validation.runs and not ph.samples.runs and ph.save.runs
 
 
 def test_quantize_host_by_hand():
@@ -255,32 +263,32 @@ def test_quantize_host_by_hand():
 
 def test_8b_every_phase_planned_and_fits_a_v100_as_pytorch_sizes_it(plan8b):
     ph = plan8b.phases
-    assert list(ph) == PHASES
-    assert plan8b.cluster["capacity_bytes"] == int(31.75 * GiB)
+    assert names(ph) == PHASES
+    assert plan8b.cluster.capacity_bytes == int(31.75 * GiB)
     for name, p in ph.items():
-        assert p["runs"] and p["fits"], (name, p["peak_bytes"] / GiB)
-        assert p["peak_bytes"] == sum(p["parts"].values())
-        assert p["capacity_bytes"] == (int(31.75 * GiB) if p["limit"] == "gpu" else int(384e9))
-    assert ph["train_step"]["peak_bytes"] == plan8b.memory["peak_bytes"]
+        assert p.runs and p.fits, (name, p.peak_bytes / GiB)
+        assert p.peak_bytes == sum(p.parts.values())
+        assert p.capacity_bytes == (int(31.75 * GiB) if p.limit == "gpu" else int(384e9))
+    assert ph.train_step.peak_bytes == plan8b.memory.peak_bytes
 
 
 def test_8b_save_and_resume_terms(plan8b):
     ph = plan8b.phases
     per_rank = math.ceil(N8B / 8)
-    assert ph["resume"]["parts"]["loaded Adam moments beside the live ones"] == 8 * per_rank
-    loaded = ph["resume_host"]["parts"]["optimizer shards loaded (fp32 master + Adam m, v), every rank"]
+    assert ph.resume.parts["loaded Adam moments beside the live ones"] == 8 * per_rank
+    loaded = ph.resume_host.parts["optimizer shards loaded (fp32 master + Adam m, v), every rank"]
     assert loaded == 8 * 12 * per_rank
-    assert ph["save_host"]["parts"]["16-bit weights consolidated on rank 0"] == 2 * N8B
+    assert ph.save_host.parts["16-bit weights consolidated on rank 0"] == 2 * N8B
     # between steps the fp32 gradient sub-group is freed (stage3.py _release_sub_group)
-    assert "fp32 grad sub-group" not in ph["save"]["parts"]
+    assert "fp32 grad sub-group" not in ph.save.parts
 
 
 def test_8b_validation_without_liger_materialises_the_logits():
     p = compute_plan(load_recipe("llama8b_zero3", ["train.liger=off"]))
-    val = p.phases["validation"]
+    val = p.phases.validation
     loss = eval_loss_bytes(ModelShape(**{**SMALL.__dict__, "hidden": 4096, "vocab": 128_256}), 16384, 2, False)[0]
     assert loss == 10 * 16384 * 128_256 + 8 * 16385 + 8 * 16384
-    assert not val["fits"] and val["peak_bytes"] > 38 * GiB
+    assert not val.fits and val.peak_bytes > 38 * GiB
 
 
 def test_preflight_names_the_validation_phase_and_the_fix():
@@ -292,17 +300,17 @@ def test_preflight_names_the_validation_phase_and_the_fix():
 def test_offload_and_lora_recipes_plan_every_phase():
     for name in ("llama8b_zero3_offload", "llama8b_lora_zero3"):
         p = compute_plan(load_recipe(name))
-        assert list(p.phases) == PHASES and all(x["fits"] for x in p.phases.values()), name
+        assert names(p.phases) == PHASES and all(x.fits for _, x in p.phases.items()), name
     off = compute_plan(load_recipe("llama8b_zero3_offload")).phases
-    assert off["resume"]["parts"]["loaded Adam moments beside the live ones"] == 0  # the moments stay in RAM
-    assert "offloaded optimizer states (DeepSpeed estimator, pinned)" in off["resume_host"]["parts"]
+    assert off.resume.parts["loaded Adam moments beside the live ones"] == 0  # the moments stay in RAM
+    assert "offloaded optimizer states (DeepSpeed estimator, pinned)" in off.resume_host.parts
 
 
 def test_plan_json_and_table_show_the_phases(tmp_path, capsys, plan8b):
     from zerotune.plan import plan_main
 
     plan_main(load_recipe("tiny", [f"output_dir={tmp_path}"]), as_json=True)
-    assert list(json.loads(capsys.readouterr().out)["phases"]) == PHASES
+    assert names(Plan.from_json(json.loads(capsys.readouterr().out)).phases) == PHASES
     text = format_plan(plan8b)
     assert "every phase of the job" in text
     for name in PHASES:
@@ -349,17 +357,19 @@ def _commit(ckpt, size: int) -> None:
 def test_requeued_run_counts_its_committed_checkpoints(tmp_path, monkeypatch):
     run = tmp_path / "run"
     r = load_recipe("llama8b_zero3", [f"output_dir={run}"])
-    C = compute_plan(r).disk["checkpoint_bytes"]  # 104.7 GiB; a fresh run needs 3 x C = 314 GiB
+    C = compute_plan(r).disk.checkpoint_bytes  # 104.7 GiB; a fresh run needs 3 x C = 314 GiB
     for step in (4, 5):
         _commit(run / "checkpoints" / f"checkpoint-{step}", C)
     (run / "checkpoints" / "checkpoint-6").mkdir()  # a partial save: not committed, not counted as held
 
     # below a fresh run's need, above the next save's: the run goes on
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**40, 0, 120 * GiB))
-    d = disk_preflight(compute_plan(r), r, run)
-    assert d["held"]["checkpoints"] == 2 and d["needed_at"] == "save"
-    assert d["needed_free_bytes"] == pytest.approx(C, abs=4096)  # less the markers' few bytes
-    assert d["peak_bytes"] == 3 * C > 120 * GiB
+    p = compute_plan(r)
+    disk_preflight(p, r, run)  # no error
+    d = p.disk
+    assert d.held.checkpoints == 2 and d.held.checkpoint_steps == (4, 5) and d.needed_at == "save"
+    assert d.needed_free_bytes == pytest.approx(C, abs=4096)  # less the markers' few bytes
+    assert d.peak_bytes == 3 * C > 120 * GiB
     assert "this run holds 2 committed checkpoint(s)" in format_plan(compute_plan(r))
 
     # below the next save's need: refused, naming the event, what is held and what to change

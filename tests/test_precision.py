@@ -95,7 +95,7 @@ def test_zero_gradient_fraction_is_logged_once_per_step(tmp_path, capsys):
 # ------------------------------------------------------------------------------ item 4: Liger fused CE below sm80
 
 def _shape8b():
-    from zerotune.planner.memory import model_shape
+    from zerotune.planner.target import model_shape
 
     return model_shape(load_recipe("llama8b_zero3"))
 
@@ -236,20 +236,21 @@ def test_qlora_counts_fp32_embeddings_and_residual_stream():
     """peft 0.21.2 prepare_model_for_kbit_training casts every non-4-bit 16-bit parameter to fp32
     (peft/utils/other.py:204-209): embeddings, lm_head, norms. The residual stream is then fp32 too."""
     from zerotune.planner.compute import compute_plan
-    from zerotune.planner.memory import activation_bytes, model_shape
+    from zerotune.planner.memory import activation_bytes
+    from zerotune.planner.target import model_shape
 
     r = load_recipe("llama8b_qlora_t4")
     m = model_shape(r)
     p = compute_plan(r)
-    states = p.memory["parts"]["model states (DeepSpeed estimator)"]
+    states = p.memory.parts["model states (DeepSpeed estimator)"]
     assert states > 4 * 2 * 128_256 * 4096  # both 128K x 4096 matrices at 4 B (3.9 GiB of the 7.9)
     fp32 = activation_bytes(m, 1, 2048, 2, "sdpa", True, True, True, residual_bytes=4)
     fp16 = activation_bytes(m, 1, 2048, 2, "sdpa", True, True, True)
     assert fp32["layer_inputs"] == 2 * fp16["layer_inputs"] == 32 * 2048 * 4096 * 4
-    assert p.memory["parts"]["checkpointed layer inputs"] >= fp32["layer_inputs"]
+    assert p.memory.parts["checkpointed layer inputs"] >= fp32["layer_inputs"]
     # Still fits a T4 (about 10.9 GiB predicted of 15) at the recipe's 2,048 x 1; 4,096 x 2 does not.
-    assert p.recipe_config["fits"]
-    assert not next(o for o in p.options if (o["seq_len"], o["micro_batch_size"]) == (4096, 2))["fits"]
+    assert p.recipe_batch.fits
+    assert not next(o for o in p.options if (o.seq_len, o.micro_batch_size) == (4096, 2)).fits
 
 
 def test_prepare_model_for_kbit_training_makes_the_residual_stream_fp32(tmp_path):

@@ -32,6 +32,7 @@ def test_a_worker_without_a_launched_run_says_how_it_is_started(tmp_path):
         "finetune RECIPE=...` or slurm/finetune.sbatch, which write it first."]
 
 
+@pytest.mark.slow
 def test_the_user_cli_has_no_internal_process_flags():
     p = _run("-m", "zerotune", "finetune", "tiny", "--finalize")  # argparse refuses it before anything runs
     assert p.returncode == 2 and "unrecognized arguments: --finalize" in p.stderr

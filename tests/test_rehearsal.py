@@ -60,11 +60,15 @@ def test_the_last_step_is_committed_before_its_validation_and_the_requeued_job_f
     from zerotune.planner.gate import disk_preflight
 
     r = load_recipe("tiny", args[2:])
-    fresh = disk_preflight(compute_plan(r), r, out)["peak_bytes"]
+    plan = compute_plan(r)
+    disk_preflight(plan, r, out)  # no error
+    fresh = plan.disk.peak_bytes
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(shutil, "disk_usage", lambda p: namedtuple("usage", "total used free")(10 * fresh, 0, fresh - 1))
-        d = disk_preflight(compute_plan(r), r, out)
-    assert d["held"]["checkpoints"] == 2 and d["needed_free_bytes"] < fresh - 1
+        plan = compute_plan(r)
+        disk_preflight(plan, r, out)  # no error: the run's own checkpoints count as used
+    d = plan.disk
+    assert d.held.checkpoints == 2 and d.needed_free_bytes < fresh - 1
 
     # the requeued job (the same command) resumes at the last step: nothing to train; the validation that failed
     # would fail again (a deterministic out-of-memory), so it is skipped and said; the job finishes

@@ -12,6 +12,7 @@ from zerotune.config import EvalSetCfg, RecipeError, explain, from_dict, load_re
 from zerotune.data import replay as rp
 from zerotune.data.cache import StaleDataError, require_prepared
 from zerotune.data.prepare import prepare
+from zerotune.data.replay_prompts import ReplayError, load_prompts
 from zerotune.layout import layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,11 +73,11 @@ def test_prompt_file_rules(tmp_path):
     }
     for name, (row, msg) in cases.items():
         r = smol_recipe(tmp_path, write_jsonl(tmp_path / f"{name}.jsonl", [ask("ok"), row]))
-        with pytest.raises(rp.ReplayError, match=msg) as e:
-            rp.load_prompts(r)
+        with pytest.raises(ReplayError, match=msg) as e:
+            load_prompts(r)
         assert "line 2" in str(e.value), name
     r = smol_recipe(tmp_path, write_jsonl(tmp_path / "p.jsonl", [ask(f"q{i}") for i in range(10)]), limit=3)
-    assert len(rp.load_prompts(r)) == 3
+    assert len(load_prompts(r)) == 3
 
 
 def test_prompts_that_are_eval_prompts_are_refused(tmp_path):
@@ -84,17 +85,17 @@ def test_prompts_that_are_eval_prompts_are_refused(tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [ask("Name a colour."), ask("what is the capital of france")])
     r = smol_recipe(tmp_path, prompts)
     r.eval.sets = [EvalSetCfg(name="retention", path=str(held))]
-    with pytest.raises(rp.ReplayError, match="1 prompt\\(s\\) also in eval set 'retention'.*train on the test"):
-        rp.check_disjoint(r, rp.load_prompts(r))
+    with pytest.raises(ReplayError, match="1 prompt\\(s\\) also in eval set 'retention'.*train on the test"):
+        rp.check_disjoint(r, load_prompts(r))
 
 
 def test_the_shipped_prompts_are_disjoint_from_every_shipped_eval_set():
     for name in ("smollm2", "smollm2_lora"):
         r = load_recipe(name)
-        rp.check_disjoint(r, rp.load_prompts(r))
+        rp.check_disjoint(r, load_prompts(r))
     r = load_recipe("llama8b_zero3", ["data.replay.path=data/general/prompts.jsonl"])  # data.heldout
-    assert len(rp.load_prompts(r)) == 320
-    rp.check_disjoint(r, rp.load_prompts(r))
+    assert len(load_prompts(r)) == 320
+    rp.check_disjoint(r, load_prompts(r))
 
 
 # ---- answering, caching, mixing (SmolLM2, real generation) -----------------------------------------------
@@ -168,6 +169,7 @@ def test_replay_answers_in_the_familys_precision_on_a_v100(monkeypatch, tmp_path
     from zerotune.planner.compute import compute_plan
 
     monkeypatch.setattr(hardware, "detect", lambda: hardware.GPUS["v100-32gb"])
+    monkeypatch.setattr(rp, "detect", hardware.detect)  # data/replay.py imports it by name
     assert _device_and_dtype(FAMILIES["gemma3"])[1:] == (torch.float32, "fp32")
     assert _device_and_dtype(FAMILIES["llama"])[1:] == (torch.float16, "fp16")
     replay = ["data.replay.path=data/general/prompts.jsonl", "plan.gpu=v100-32gb", "model.init_config=null"]
@@ -176,5 +178,5 @@ def test_replay_answers_in_the_familys_precision_on_a_v100(monkeypatch, tmp_path
         (tmp_path / name / "config.json").write_text((REPO / "configs" / "models" / f"tiny_{name}.json").read_text())
     gemma = load_recipe("tiny_gemma3", [*replay, f"model.name_or_path={tmp_path / 'gemma3'}"])
     llama = load_recipe("tiny", [*replay, f"model.name_or_path={tmp_path / 'llama31'}"])
-    assert compute_plan(gemma).replay["precision"] == "fp32"
-    assert compute_plan(llama).replay["precision"] == "fp16"
+    assert compute_plan(gemma).replay.precision == "fp32"
+    assert compute_plan(llama).replay.precision == "fp16"

@@ -55,8 +55,8 @@ def test_planned_checkpoint_size_matches_the_real_one(reference):
 
     disk = compute_plan(load_recipe("tiny", [f"output_dir={reference}", *COMMON])).disk
     real = sum(f.stat().st_size for f in (reference / "checkpoints" / "checkpoint-10").rglob("*") if f.is_file())
-    assert abs(real - disk["checkpoint_bytes"]) / real < 0.02, (real, disk)
-    assert disk["checkpoints_at_once"] == 3  # save_total_limit 2 + the one being committed
+    assert abs(real - disk.checkpoint_bytes) / real < 0.02, (real, disk)
+    assert disk.checkpoints_at_once == 3  # save_total_limit 2 + the one being committed
 
 
 @pytest.mark.extended  # the same stop, commit and exact resume run in CI through sbatch (test_slurm_cluster.py)
@@ -132,13 +132,13 @@ def test_truncated_checkpoint_falls_back_to_the_previous_one(reference, tmp_path
     assert_matches_reference(reference, run)
 
 
-# Resume at another world size (universal.py). Tolerances, from runs of this recipe: at 1 process an uninterrupted
+# Resume at another world size (reshard.py). Tolerances, from runs of this recipe: at 1 process an uninterrupted
 # run's losses equal the 2-process reference's within one fp32 ulp (9.5e-7 at a loss of ~8) for all 10 steps and its
 # grad norms within 5e-8 relative; its Adam moments at step 10 within 4e-7 of their norm. Another world size only
 # regroups the sums of gradient contributions (grad-accum micro-batches per rank, then the reduce-scatter over
 # ranks). A resume that carried a state over wrongly is far outside: DeepSpeed's universal load shares one Adam step
 # tensor between sub-groups (stage3.py:3681), which gave 6.9e-5 on the loss of step 10, 1.8e-5 on its grad norm and
-# 3.8e-5 on the moments before train/universal_load.CheckUniversalLoad gave each sub-group its own.
+# 3.8e-5 on the moments before train/reshard_load.CheckUniversalLoad gave each sub-group its own.
 LOSS_ABS = 5e-6  # 5 ulp
 GRAD_NORM_REL = 1e-6
 MOMENTS_REL = 1e-6

@@ -94,17 +94,19 @@ def test_deadline_rule():
 def test_plan_states_the_cost_of_preemption():
     from zerotune.stopping import seconds_needed
     from zerotune.config import load_recipe
-    from zerotune.planner.compute import SAVE_BYTES_PER_S, compute_plan
+    from zerotune.planner.compute import compute_plan
     from zerotune.planner.report import format_plan
+    from zerotune.planner.target import SAVE_BYTES_PER_S
 
     p = compute_plan(load_recipe("llama8b_zero3", ["train.save_steps=2"]))
-    pe, step = p.preemption, p.time["seconds_per_step"]
-    assert pe["save_s"] == pytest.approx(p.disk["checkpoint_bytes"] / SAVE_BYTES_PER_S)
-    assert pe["idle_at_time_limit_s"] == pytest.approx(seconds_needed(step, pe["save_s"]))
-    assert pe["lost_on_kill_s"] == pytest.approx(2 * step)
-    assert pe["signal_lead_s"] >= seconds_needed(0, pe["save_s"]) and pe["signal_lead_s"] % 60 == 0
+    pe, step = p.preemption, p.time.seconds_per_step
+    assert pe.save_bytes_per_s == SAVE_BYTES_PER_S and pe.save_steps == 2
+    assert pe.save_s == pytest.approx(p.disk.checkpoint_bytes / SAVE_BYTES_PER_S)
+    assert pe.idle_at_time_limit_s == pytest.approx(seconds_needed(step, pe.save_s))
+    assert pe.lost_on_kill_s == pytest.approx(2 * step)
+    assert pe.signal_lead_s >= seconds_needed(0, pe.save_s) and pe.signal_lead_s % 60 == 0
     text = format_plan(p)
-    assert f"recommended --signal=B:USR1@{pe['signal_lead_s']}" in text
+    assert f"recommended --signal=B:USR1@{pe.signal_lead_s}" in text
     assert "no trained step lost" in text and "mid-step checkpoints are not implemented" in text
 
 
@@ -143,6 +145,7 @@ def _setup_sdist() -> Path:
     return sdist
 
 
+@pytest.mark.slow
 def test_llama_cpp_build_leaves_out_the_common_library_the_wheel_never_ships(tmp_path):
     """Half the compile a newcomer waits for is libllama-common, which llama-cpp-python forces on and never
     installs; the hook in setup's flags turns it off. Configured for real from setup's sdist (seconds, no compile)."""
@@ -167,6 +170,7 @@ def test_llama_cpp_build_leaves_out_the_common_library_the_wheel_never_ships(tmp
     assert {"llama", "ggml", "ggml-base", "ggml-cpu"} <= targets["setup"]  # what the wheel ships and loads
 
 
+@pytest.mark.slow
 def test_check_t4_fails_early_with_one_line(tmp_path):
     env = {**os.environ, "ZEROTUNE_CACHE": str(tmp_path), "SLURM_SUBMIT_DIR": str(REPO)}
     r = subprocess.run(["bash", str(SLURM / "check_t4.sbatch"), "tiny"], cwd=REPO, env=env, capture_output=True,

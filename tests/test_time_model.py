@@ -10,8 +10,8 @@ import pytest
 from zerotune import hardware
 from zerotune.config import load_recipe
 from zerotune.planner.compute import compute_plan
-from zerotune.planner.report import format_plan
-from zerotune.planner import memory
+from zerotune.planner.report import format_plan, node_advice
+from zerotune.planner import target
 from zerotune.planner import time as tm
 
 V100 = hardware.GPUS["v100-32gb"]
@@ -97,7 +97,7 @@ def test_gathered_modules_follow_the_persistence_threshold():
 
     from conftest import REPO
 
-    shape = memory.model_shape(load_recipe("llama8b_zero3"))
+    shape = target.model_shape(load_recipe("llama8b_zero3"))
     zero = json.loads((REPO / "configs" / "deepspeed" / "zero3.json").read_text())["zero_optimization"]
     # the shipped config's "auto", as transformers fills it: threshold 10 x hidden = 40,960 (every projection, the
     # embedding and the untied lm_head; not the norms, 4,096 each), reduce bucket hidden^2
@@ -112,7 +112,7 @@ def test_gathered_modules_follow_the_persistence_threshold():
     with pytest.raises(UserError, match=r"train\.zero\.reduce_bucket_size"):
         shape.zero3_modules({**zero, "reduce_bucket_size": "big"})
     t = compute_plan(load_recipe("llama8b_zero3")).time
-    assert t["per_micro_step"]["collectives"] == 3 * (32 * 7 + 2)
+    assert t.per_micro_step.collectives == 3 * (32 * 7 + 2)
 
 
 def test_one_node_step_by_hand():
@@ -197,29 +197,31 @@ def plan8b():
 
 def test_plan_json_exposes_terms_and_total(plan8b):
     t = plan8b.time
-    assert set(t["terms"]) == {"compute", "communication", "optimizer", "fixed"}
-    assert t["seconds_per_step"] == pytest.approx(sum(t["terms"].values()))
+    assert [k for k, _ in t.terms.items()] == ["compute", "communication", "optimizer", "fixed"]
+    assert t.seconds_per_step == pytest.approx(sum(v for _, v in t.terms.items())) == pytest.approx(t.terms.total)
     # the compute term is the former estimate: FLOPs / (GPUs x peak x MFU), MFU of the kernels alone
-    assert t["terms"]["compute"] == pytest.approx(t["flops_per_step"] / (8 * 125e12 * 0.35))
-    assert t["dominant"] == "compute"
+    assert t.terms.compute == pytest.approx(t.flops_per_step / (8 * 125e12 * 0.35))
+    assert t.dominant == "compute"
     # every option's hours now include communication and fixed costs
-    own = next(o for o in plan8b.options if o["recipe"])
-    assert own["seconds_per_step"] == pytest.approx(t["seconds_per_step"])
+    own = next(o for o in plan8b.options if o.recipe)
+    assert own.seconds_per_step == pytest.approx(t.seconds_per_step)
 
 
 def test_8b_nodes_table(plan8b):
-    rows = {row["nodes"]: row for row in plan8b.time["nodes"]["rows"]}
-    one, four = rows[1]["clusters"]["v100-sxm2-1xedr"], rows[4]["clusters"]["v100-sxm2-1xedr"]
-    assert (rows[1]["grad_accum"], rows[4]["grad_accum"]) == (480, 120)
-    assert 3 < one["seconds_per_step"] / 3600 < 4  # per-document attention (sdpa_docs); 4.97 h with the dense mask
+    nt = plan8b.time.nodes
+    rows = {row.nodes: row for row in nt.rows}
+    one, four = rows[1].on("v100-sxm2-1xedr"), rows[4].on("v100-sxm2-1xedr")
+    assert (rows[1].grad_accum, rows[4].grad_accum) == (480, 120)
+    assert 3 < one.seconds_per_step / 3600 < 4  # per-document attention (sdpa_docs); 4.97 h with the dense mask
     # at 16K tokens per micro-step compute dominates even across nodes: 4 nodes are nearly 4x, not exactly
-    assert 3.5 < four["speedup"] < 4
-    assert four["communication_over_compute"] > 10 * one["communication_over_compute"]
-    assert four["crossover_tokens"] < 16384 < 10 * four["crossover_tokens"]
+    assert 3.5 < four.speedup < 4
+    assert four.communication_over_compute > 10 * one.communication_over_compute
+    assert four.crossover_tokens < 16384 < 10 * four.crossover_tokens
     # hpZ's secondary copy fits at 4 nodes (32-way sharding frees more than it costs)
-    assert rows[4]["hpz_fits"] and rows[4]["hpz_extra_bytes"] == tm.hpz_bytes(8_030_261_248, 2, 8)
-    assert four["hpz_seconds_per_step"] < four["seconds_per_step"]
-    assert any("hpZ" in a for a in plan8b.time["nodes"]["advice"])
+    assert rows[4].hpz_fits and rows[4].hpz_extra_bytes == tm.hpz_bytes(8_030_261_248, 2, 8)
+    assert four.hpz_seconds_per_step < four.seconds_per_step
+    c = plan8b.cluster
+    assert any("hpZ" in a for a in node_advice(nt, c.gpus_per_node, c.capacity_bytes, 16384))
     text = format_plan(plan8b)
     for needle in ("communication", "optimizer", "fixed", "dominated by compute", "nodes (same", "overtakes compute"):
         assert needle in text, needle
@@ -227,19 +229,19 @@ def test_8b_nodes_table(plan8b):
 
 def test_offload_on_four_gpus():
     t = compute_plan(load_recipe("llama8b_zero3_offload")).time
-    pm = t["per_micro_step"]
-    assert pm["offload_grad_pcie_s"] < pm["compute_s"]  # hidden at 16K tokens per micro-step
-    assert 6 < t["seconds_per_step"] / 3600 < 8 and t["dominant"] == "compute"
-    assert t["terms"]["optimizer"] == pytest.approx(8_030_261_248 / tm.F("cpu_adam") + 2 * 8_030_261_248 / 4 / 6e9)
+    pm = t.per_micro_step
+    assert pm.offload_grad_pcie_s < pm.compute_s  # hidden at 16K tokens per micro-step
+    assert 6 < t.seconds_per_step / 3600 < 8 and t.dominant == "compute"
+    assert t.terms.optimizer == pytest.approx(8_030_261_248 / tm.F("cpu_adam") + 2 * 8_030_261_248 / 4 / 6e9)
 
 
 def test_unknown_cluster_is_refused():
-    from zerotune.planner.compute import PlanError
+    from zerotune.planner.target import PlanError
 
     with pytest.raises(PlanError, match="cluster"):
         compute_plan(load_recipe("llama8b_zero3"), cluster="infiniband-9000")
     four = compute_plan(load_recipe("llama8b_zero3"), nodes=4, cluster="v100-sxm2-4xedr").time
-    assert four["cluster"] == "v100-sxm2-4xedr" and four["inter_node_gbs"] == pytest.approx(40)
+    assert four.cluster == "v100-sxm2-4xedr" and four.inter_node_gbs == pytest.approx(40)
 
 
 # --- calibration: public measurements beside the model's prediction ------------------------------------
@@ -378,6 +380,6 @@ def test_the_plan_meets_every_timed_gpu_row(results, row, seq, tmp_path):
                         seq, 3, attention="sdpa", plan_gpu="h200")
     d["train"]["precision"] = "bf16"
     t = compute_plan(gc.recipe(d), gpu="h200", gpus_per_node=1, nodes=1).time
-    assert t["attention_kind"] == "dense" and t["grad_accum"] == 2
-    err = t["seconds_per_step"] / measured["seconds"] - 1
+    assert t.attention_kind == "dense" and t.grad_accum == 2
+    err = t.seconds_per_step / measured["seconds"] - 1
     assert abs(err) <= GPU_TOL, (row, round(err, 3))

@@ -123,6 +123,7 @@ def test_check_of_a_corrupt_gguf_names_the_file(tmp_path, capfd):
     assert_one_message(rc, err, str(gguf), "not a readable GGUF")
 
 
+@pytest.mark.slow
 def test_serve_without_a_gguf(tmp_path, capfd):
     rc, _, err = run_main(capfd, "serve", "tiny", f"output_dir={tmp_path}")
     assert_one_message(rc, err, str(tmp_path / "gguf"), "make quantize RECIPE=tiny")
@@ -156,6 +157,7 @@ def zt(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_train_without_prepared_data_is_one_message(tmp_path):
     proc = zt("finetune", "tiny", f"output_dir={tmp_path}")
     assert_one_message(proc.returncode, proc.stderr, f"no prepared data in {tmp_path / 'data'}",
@@ -168,11 +170,14 @@ def test_bad_override_from_the_command_line(tmp_path):
     assert_one_message(proc.returncode, proc.stderr, "unknown key 'seq_lenn'", "Did you mean 'seq_len'")
 
 
+@pytest.mark.slow
 def test_plan_json_is_pure_json_on_stdout(tmp_path):
     proc = zt("plan", "tiny", f"output_dir={tmp_path}", "--json")
     assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)
-    assert plan["recipe"] == "tiny"
+    from zerotune.planner.records import Plan
+
+    plan = Plan.from_json(json.loads(proc.stdout))  # the whole plan, read back as the workers read plan.json
+    assert plan.recipe == "tiny" and plan.recipe_batch.fits
     assert "Setting accelerator" not in proc.stdout + proc.stderr
 
 
@@ -281,13 +286,13 @@ def test_a_corrupt_parquet_source_and_an_unreadable_heldout_file(tmp_path, capfd
     (tmp_path / "c.parquet").write_text("not parquet")
     rc, _, err = run_main(capfd, "data", "tiny", f"output_dir={tmp_path / 'run'}", f"data.sources=[{tmp_path / 'c.parquet'}]")
     assert_one_message(rc, err, "c.parquet: not a readable Parquet file")
-    from zerotune.answering import eval_sets, load_rows
+    from zerotune.answering import load_rows
     from zerotune.config import load_recipe
     from zerotune.errors import UserError
 
     (tmp_path / "heldout.jsonl").write_bytes(b'\xff{"messages": [], "answer": "x"}\n')
     with pytest.raises(UserError, match="heldout.jsonl cannot be read"):  # finetune reads it before the launch
-        load_rows(eval_sets(load_recipe("tiny", [f"data.heldout={tmp_path / 'heldout.jsonl'}"]))[0])
+        load_rows(load_recipe("tiny", [f"data.heldout={tmp_path / 'heldout.jsonl'}"]).eval_sets()[0])
 
 
 def test_a_source_whose_weight_takes_no_row_is_named(tmp_path, capfd):
@@ -302,7 +307,9 @@ def test_overrides_may_follow_a_flag(tmp_path, capfd):
     """make inspect ARGS="--n 4 data.seq_len=512" puts an override after a flag; argparse's plain parse_args
     refused it ("unrecognized arguments")."""
     rc, out, _ = run_main(capfd, "plan", "tiny", "--json", f"output_dir={tmp_path}", "data.seq_len=128")
-    assert rc == 0 and json.loads(out)["recipe_config"]["seq_len"] == 128
+    from zerotune.planner.records import Plan
+
+    assert rc == 0 and Plan.from_json(json.loads(out)).recipe_batch.seq_len == 128
 
 
 def test_missing_deepspeed_config_names_the_key(tmp_path, capfd):

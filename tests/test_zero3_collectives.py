@@ -2,9 +2,9 @@
 the time model charges NCCL's per-collective latency for (planner/time.py: per gathered module a forward
 gather, a backward gather and, in a full fine-tune, a gradient reduce-scatter).
 
-Method. This file is its own torchrun worker (launched by tests/test_phase_memory_zero3.py's _launch, as zerotune's
-CPU training is). The tiny untied Llama of that test (hidden 256, 4 layers, 30 modules above the persistence
-threshold: 7 projections per layer, the embedding, the lm_head) trains 3 optimizer steps through the HF Trainer
+Method. This file is its own torchrun worker (launched by tests/zero3_cpu.py's launch, as zerotune's CPU training
+is). The tiny untied Llama that tests/test_phase_memory_zero3.py measures too (zero3_cpu.MODEL: hidden 256, 4 layers,
+30 modules above the persistence threshold: 7 projections per layer, the embedding, the lm_head) trains 3 optimizer steps through the HF Trainer
 with the shipped configs/deepspeed/zero3.json, gradient checkpointing (non-reentrant, as the worker sets it) and
 GA 2. DeepSpeed's own comms logger (config "comms_logger", prof_all) counts every collective by name; a callback
 reads the counts at each micro-step boundary. The first micro-step of steps 2 and 3 is the steady state: the trace
@@ -36,6 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from zero3_cpu import MODEL, WORLD, launch  # the tiny Llama and the 2-rank CPU torchrun, shared with test_phase_memory_zero3
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS, GA = 3, 2
 TOL = 0.25  # measured collectives per micro-step within +-25% of the model's count
@@ -47,7 +49,6 @@ def _worker(out: Path) -> None:
     from deepspeed.comm import comm as ds_comm
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-    from test_phase_memory_zero3 import MODEL
     from zerotune.ds_config import loss_scale
 
     rank = int(os.environ["RANK"])
@@ -93,10 +94,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
-    from test_phase_memory_zero3 import WORLD, _launch
-
     out = tmp_path_factory.mktemp("zero3_collectives")
-    _launch("collectives", out, worker=__file__)
+    launch(__file__, "collectives", out)
     return [json.loads((out / f"collectives_rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -109,14 +108,13 @@ def _deltas(marks: list) -> list[tuple[str, dict]]:
 
 
 def test_collectives_per_micro_step_are_what_the_latency_term_charges(counted, tmp_path):
-    from test_phase_memory_zero3 import MODEL
     from transformers import LlamaConfig
 
-    from zerotune.planner.memory import _shape_from_config
+    from zerotune.planner.memory import shape_of
 
     LlamaConfig(**MODEL).save_pretrained(tmp_path)
     zero = json.loads((REPO / "configs" / "deepspeed" / "zero3.json").read_text())["zero_optimization"]
-    modules = len(_shape_from_config(str(tmp_path)).zero3_modules(zero)[0])  # the shipped config, as planned
+    modules = len(shape_of(str(tmp_path)).zero3_modules(zero)[0])  # the shipped config, as planned
     assert modules == 4 * 7 + 2  # the projections, the embedding, the lm_head; the norms stay resident
     charged = 3 * modules
     for rank in counted:
@@ -133,6 +131,5 @@ def test_collectives_per_micro_step_are_what_the_latency_term_charges(counted, t
         assert abs((gathers + scatters) / charged - 1) <= TOL, (d, charged)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+if __name__ == "__main__":  # torchrun runs this file from tests/, where zero3_cpu imports
     _worker(Path(sys.argv[2]))

@@ -28,8 +28,11 @@ import shutil
 from pathlib import Path
 
 from . import manifest as mf
+from .attention import load_name
 from .config import Recipe
+from .families import of_config
 from .layout import layout
+from .verify import SaveVerificationError, compare_logits, logit_tolerance, model_dtype, verify_saved_model
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
@@ -42,8 +45,6 @@ def compute_dtype(on_gpu: bool, precision: str | None):
     """QLoRA's compute dtype: the run's precision (hardware.choose, which knows the family: a Gemma 3 run on a T4
     computes in fp32, never fp16); fp16 on a GPU when the precision is not known (older hand-offs)."""
     import torch
-
-    from .verify import model_dtype
 
     if precision is None:
         return torch.float16 if on_gpu else torch.float32
@@ -96,8 +97,6 @@ def wrap(model, r: Recipe):
     from peft import get_peft_model, prepare_model_for_kbit_training
     from transformers import set_seed
 
-    from .families import of_config
-
     of_config(model.config).check_lora_targets(r.peft.target_modules)
 
     # lora_A is drawn from the global RNG here, before the Trainer seeds it: without this, two runs of the same
@@ -149,9 +148,6 @@ def finalize_peft(r: Recipe, tmp: Path, out: Path, ref, base: Path, tokenizer_sa
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-
-    from .attention import load_name
-    from .verify import SaveVerificationError, compare_logits, logit_tolerance, model_dtype, verify_saved_model
 
     for f in ADAPTER_FILES:
         if not (tmp / f).exists():

@@ -1,7 +1,7 @@
 """Answering held-out prompts, for every stage that needs answers: `zerotune check` and `zerotune eval`, the
 base model's replay answers (data/replay.py) and the samples during training (train/validation.py).
 
-What is answered: the recipe's eval sets (eval_sets, load_rows). Who answers: the base model, the fine-tuned
+What is answered: the recipe's eval sets (Recipe.eval_sets, load_rows). Who answers: the base model, the fine-tuned
 HF model and its GGUF, each greedily through the same chat template (score_models), one model in memory at a
 time, with answers cached so check and eval on the same weights generate once. The HF models answer in
 left-padded batches (hf_generate); the GGUF answers through its own embedded template (gguf_answers), as
@@ -21,20 +21,14 @@ from pathlib import Path
 from typing import Callable
 
 from . import manifest as mf
+from . import quiet
+from .chat_template import CHAT_FORMAT, stop_ids
 from .config import EvalSetCfg, Recipe, resolve_path
 from .errors import MissingInputError, UserError, why_unreadable
-from .chat_template import CHAT_FORMAT, stop_ids
+from .families import answer_text, base_template_kwargs, of_config
+from .hub import local_folder
 from .layout import layout
-
-
-def eval_sets(r: Recipe) -> list[EvalSetCfg]:
-    """The recipe's sets; without any, data.heldout scored exact (what check scores)."""
-    if r.eval.sets:
-        return list(r.eval.sets)
-    if r.data.heldout:
-        return [EvalSetCfg(name="heldout", path=r.data.heldout, scorer="exact",
-                           max_new_tokens=r.check.max_new_tokens)]
-    return []
+from .scorers import leak_test, score
 
 
 def load_rows(es: EvalSetCfg) -> list[dict]:
@@ -73,8 +67,6 @@ def leak_tests(sets: list[EvalSetCfg]) -> dict[str, Callable[[str], bool] | None
     """{set: what counts as a leaked answer there, or None (not measured)}. The first set is the task: its
     scorer's output format (scorers.FORMATS) is what must not show up in the other sets' answers, unless a set
     says itself what must not (`forbid`). A gate or regex that could measure nothing is refused, not ignored."""
-    from .scorers import leak_test
-
     task = sets[0]
     for k in ("forbid", "max_leakage"):
         if getattr(task, k) is not None:
@@ -104,7 +96,6 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
         raise MissingInputError(f"{models['hf']}: no fine-tuned model; run `make finetune RECIPE={r.name}` first.")
     if not models["gguf"].exists():
         raise MissingInputError(f"{models['gguf']}: no GGUF; run `make quantize RECIPE={r.name}` first.")
-    from .families import answer_text, base_template_kwargs, of_config
 
     family = of_config(Path(models["hf"]))  # its quirks: Qwen3's answers open with a (here empty) thinking block
     # how each model's prompts are rendered: the base model as its makers use it off-task (Qwen3 without
@@ -112,7 +103,7 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
     kwargs = {"base": base_template_kwargs(family), "hf": {}, "gguf": {}}
     cache_file = layout(r).answers
     cache = mf.read(cache_file) or {}
-    keys = {(which, es.name): hashlib.sha256(json.dumps([which, _identity(Path(models[which])), rows_by_set[es.name],
+    keys = {(which, es.name): hashlib.sha256(json.dumps([which, weights_identity(Path(models[which])), rows_by_set[es.name],
                                                          es.max_new_tokens] + ([kwargs[which]] if kwargs[which]
                                                                                else [])).encode()).hexdigest()[:16]
             for which in models for es in sets}
@@ -156,11 +147,9 @@ def score_models(r: Recipe, sets: list[EvalSetCfg], rows_by_set: dict[str, list[
     return {"models": {k: str(v) for k, v in models.items()}, "sets": res}
 
 
-def _identity(path: Path) -> str:
+def weights_identity(path: Path) -> str:
     """Which weights these are, cheaply: name, size and mtime of the weight files (a retrained or requantized
     model changes them). A hub id is read in its cached snapshot (a new revision changes them too)."""
-    from .hub import local_folder
-
     path = path if path.exists() else Path(local_folder(str(path)))
     files = [path] if path.is_file() else sorted([*path.glob("*.safetensors"), path / "config.json"])
     return json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.exists()])
@@ -251,8 +240,6 @@ def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True, n_gpu_layers: int
     """The GGUF as check uses it: every position's logits, the embedded chat template (as serve uses it)."""
     import llama_cpp
 
-    from . import quiet
-
     # Gemma 3's sliding-window layers: llama.cpp announces that it keeps a full-size KV cache for them (the
     # default, swa_full; exact for every prompt length), once per load: a note, not a problem
     quiet.drop_llama_cpp_log(b"using full-size SWA cache")
@@ -276,8 +263,6 @@ def _score_all(es: EvalSetCfg, preds: list[str], rows: list[dict],
     """(mean score, per-row scores, leakage: the fraction of answers in the task's format, None = not measured).
     A leaked answer scores 0 whatever the scorer says: `contains` would accept {"world": 7"} for "7", and a
     model that answers everything in the task's JSON has not kept the skill the set measures."""
-    from .scorers import score
-
     per = [score(es.scorer, p, row, es.pattern) for p, row in zip(preds, rows)]
     if leaks is None:
         return sum(per) / len(per), per, None

@@ -71,6 +71,13 @@ def rows_per_sample(r) -> int:
     return 2 if r.pairs else 1
 
 
+def length_grouped(r) -> bool:
+    """Whether the Trainer batches by length: unpacked SFT rows are (less padding). Preference pairs are drawn at
+    random: a length-grouped epoch's order depends on grad-accum (reshard.refuse_unresumable), so a resume at
+    another world size could not keep it."""
+    return not r.data.packing and not r.pairs
+
+
 def grad_accum(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int, rows: int = 1) -> int:
     """Micro-batches per optimizer step: the one formula. Where the batch does not divide exactly (derive refuses
     it; the planner still sizes it), the next whole number."""

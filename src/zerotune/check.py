@@ -28,12 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from . import manifest as mf
-from .answering import eval_sets, leakage_by_model, load_gguf, load_rows, score_models, set_failures
+from .answering import leakage_by_model, load_gguf, load_rows, score_models, set_failures
 from .config import Recipe
 from .errors import MissingInputError, UserError
+from .gguf_checks import read_header
 from .hardware import GPUS, kv_bytes_per_token, llama_cpp_fit
 from .layout import layout, write_resolved_recipe
-from .preference.scoring import describe as describe_pairs, score_pairs
+from .preference.scoring import describe as describe_pairs
+from .preference.scoring import score_pairs
 from .quant_types import quant_type
 
 # A GGUF argmax that HF rates within this many nats of its own top token counts as a near-tie agreement, and
@@ -137,14 +139,13 @@ def check(r: Recipe) -> int:
     for p, what in ((model_dir, "finetune"), (gguf, "quantize")):
         if not p.exists():
             raise MissingInputError(f"{p} not found. Run `make {what} RECIPE={r.name}` first.")
-    from .gguf_checks import read_header
     read_header(gguf)  # a damaged GGUF: GGUFCheckError naming the file, before minutes of HF answers
     qtype = r.quantize.type.lower()
     gates = quant_type(qtype)  # quantize.type is validated against the table at recipe load
     max_kl, min_top1 = gates.max_kl, gates.min_top1
     max_kl = r.check.max_kl if r.check.max_kl is not None else max_kl
     min_top1 = r.check.min_top1 if r.check.min_top1 is not None else min_top1
-    sets = eval_sets(r)
+    sets = r.eval_sets()
     if not sets:
         raise UserError(f"recipe {r.name}: check needs held-out prompts: set eval.sets (name, path, scorer) or "
                         "data.heldout.")

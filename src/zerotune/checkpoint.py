@@ -10,7 +10,7 @@ rotates old checkpoints. Resume takes the newest committed checkpoint whose
 files still match the marker, and says why it skipped any newer one.
 
 The marker is one record, CommitMarker, written here and read through its `read` by every reader: resume
-(problem, here), the world-size change (universal.py: the batch and grad-accum it was trained with), the
+(problem, here), the world-size change (reshard.py: the batch and grad-accum it was trained with), the
 worker's setup message (train/worker.py) and the deadline check (train/callbacks.py: how long the save took).
 When training stops (a signal, the job's deadline, nothing left to train) is stopping.py's.
 """
@@ -34,7 +34,7 @@ class CommitMarker:
     step: int
     world_size: int | None = None  # the ranks that wrote it
     # the batch it was trained with (batch.BatchPlan.record): a resume must keep global_batch_tokens
-    # (universal.check_batch); grad_accum at world_size rescales fp16's loss scale at another world size
+    # (reshard.refuse_other_batch); grad_accum at world_size rescales fp16's loss scale at another world size
     global_batch_tokens: int | None = None
     seq_len: int | None = None
     micro_batch_size: int | None = None
@@ -105,7 +105,7 @@ def saved_world_size(ckpt: Path) -> int | None:
     """How many data-parallel ranks wrote this checkpoint's ZeRO optimizer state: DeepSpeed writes one
     `[bf16_]zero_pp_rank_<dp>_mp_rank_<mp>_optim_states.pt` per rank (deepspeed/runtime/engine.py
     _get_rank_zero_ckpt_name). None when the checkpoint has no ZeRO shards (QLoRA without DeepSpeed: its
-    optimizer.pt is whole, so any world size resumes it). Another world size resumes through universal.py."""
+    optimizer.pt is whole, so any world size resumes it). Another world size resumes through reshard.py."""
     ranks = {m.group(1) for f in Path(ckpt).glob("global_step*/*zero_pp_rank_*_optim_states.pt")
              if (m := re.search(r"zero_pp_rank_(\d+)_", f.name))}
     return len(ranks) or None

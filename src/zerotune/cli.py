@@ -9,7 +9,16 @@ import tempfile
 
 from .config import explain, load_recipe
 from .errors import UserError, report, why_unreadable
+from .hardware import detect
+from .hub import family_of_recipe, fetch
+from .layout import layout
+from .plan import plan_main
+from .planner.compute import compute_plan
+from .planner.report import dry_run
+from .quantize import quantize
 from .quiet import silence_known_noise
+from .serve import serve
+from .train.launch import launch
 
 # the same words as the make targets (make data, make finetune, ...), in the logs and in every hint
 STAGES = ["fetch", "data", "inspect", "finetune", "quantize", "check", "eval", "serve", "plan", "explain"]
@@ -48,19 +57,19 @@ def main(argv: list[str] | None = None) -> int:
         return report(e)
 
 
-# stage -> (what it does, its output folder under output_dir), for the one-line banner each stage starts with
-BANNERS = {"data": ("tokenize, label and pack the data", "data"),
-           "inspect": ("show prepared sequences as training sees them, labels highlighted", "inspect"),
-           "finetune": ("fine-tune the model", "model"),
-           "quantize": ("export a GGUF with llama.cpp's converter and check it", "gguf"),
-           "check": ("compare the GGUF with the HF model on held-out prompts", "check")}
+# stage -> (what it does, its output folder in the run's layout), for the one-line banner each stage starts with
+BANNERS = {"data": ("tokenize, label and pack the data", lambda run: run.data),
+           "inspect": ("show prepared sequences as training sees them, labels highlighted", lambda run: run.inspect),
+           "finetune": ("fine-tune the model", lambda run: run.model),
+           "quantize": ("export a GGUF with llama.cpp's converter and check it", lambda run: run.gguf_dir),
+           "check": ("compare the GGUF with the HF model on held-out prompts", lambda run: run.check)}
 
 
 def _banner(args, r) -> None:
     """On stdout with the stage's own lines (stderr is for errors); plan, whose --json owns stdout, has none."""
     if args.stage in BANNERS and not args.dry_run:
-        what, sub = BANNERS[args.stage]
-        print(f"== zerotune {args.stage} {r.name}: {what} -> {r.out / sub}", flush=True)
+        what, output = BANNERS[args.stage]
+        print(f"== zerotune {args.stage} {r.name}: {what} -> {output(layout(r))}", flush=True)
 
 
 # stages that read or write a model: its family is checked first, from config.json alone (families.py)
@@ -70,12 +79,8 @@ MODEL_STAGES = {"data", "inspect", "finetune", "quantize", "check", "eval", "pla
 def _family_first(args, r) -> None:
     """An architecture zerotune does not know is one message listing the supported ones, before anything loads.
     A hub model not fetched yet has no config here: the training worker checks it before it loads weights."""
-    from .planner.memory import family_of_recipe
-
     family = family_of_recipe(r) if args.stage in MODEL_STAGES else None
     if args.stage == "data" and r.data.replay is not None and family and family.precision_refusal("fp16"):
-        from .hardware import detect
-
         gpu = detect()  # data/replay.py answers on this GPU in its auto training precision: fp16 without bf16
         if gpu.capability is not None and not gpu.bf16:
             raise UserError(f"data.replay: the base model would answer on {gpu.name} in fp16 (no bf16 there), and "
@@ -103,35 +108,33 @@ def _stage(args, r) -> int:
     _family_first(args, r)
     _banner(args, r)
     if args.stage == "fetch":
-        from .hub import fetch
         return fetch(r)
+    # the data pipeline, check and eval import numpy and tqdm (~0.3 s): off every other stage's start-up
     if args.stage == "data":
         from .data.prepare import prepare
+
         prepare(r, rebuild=args.rebuild)
     elif args.stage == "inspect":
         from .data.view import inspect_data
+
         inspect_data(r, n=args.n)
     elif args.stage == "finetune":
         if args.dry_run:
-            from .planner.compute import compute_plan
-            from .planner.report import dry_run
             print(dry_run(compute_plan(r), r))
             return 0
-        from .train import launch  # the ranks and finalize start from the run folder: train/__main__.py
         return launch(r, skip_preflight=args.skip_preflight)
     elif args.stage == "quantize":
-        from .quantize import quantize
         quantize(r)
     elif args.stage == "check":
         from .check import check
+
         return check(r)
     elif args.stage == "eval":
         from .evaluate import evaluate
+
         return evaluate(r)
     elif args.stage == "serve":
-        from .serve import serve
         return serve(r)
     elif args.stage == "plan":
-        from .plan import plan_main
         return plan_main(r, as_json=args.json)
     return 0

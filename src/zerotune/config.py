@@ -1,69 +1,31 @@
 """The recipe schema: one typed source of truth for every stage.
 
 A recipe is a YAML file in `recipes/`. Every field is declared here once, with
-its type, default and a one-line help text (`zerotune explain` prints them).
-Unknown keys are errors with a suggestion; values are coerced to the declared
-type because PyYAML reads `lr: 2e-5` as the string '2e-5'.
+its type, default, valid values and a one-line help text (`zerotune explain` prints them),
+and so is every rule between fields. How a field is declared and a section read (unknown
+keys refused with a suggestion, values coerced to the declared type) is recipe_fields.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
 import re
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
 
-from .data.formats import FORMATS, ROLE_TARGETS, tool_definitions
-from .errors import UserError, why_unreadable
+from .format_table import FORMATS, ROLE_TARGETS, tool_definitions
 from .hardware import GPUS
 from .quant_types import QUANT_TYPES
+from .recipe_fields import (AT_LEAST_1, FRACTION, FRACTION_BELOW_1, GPU_LAYERS, NON_NEGATIVE, POSITIVE, Bound,
+                            RecipeError, build, coerce, help_of, read_yaml, suggest)
+from .recipe_fields import setting as _f  # short: every field of the schema below is one
 from .scorers import SCORERS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES_DIR = REPO_ROOT / "recipes"
-
-
-class RecipeError(UserError, ValueError):
-    """A recipe or override is invalid; the message says where and what to do."""
-
-
-@dataclass(frozen=True)
-class Bound:
-    """The values a numeric field takes, stated on the field: checked when a recipe loads (one line naming the
-    key, never a crash or a silently different run later: a warmup_ratio of 3 would be 3 steps to transformers)
-    and printed by `zerotune explain`."""
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def __contains__(self, v) -> bool:
-        return ((self.lo is None or (v > self.lo if self.lo_open else v >= self.lo))
-                and (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)))
-
-    def __str__(self) -> str:
-        if self.hi is None:
-            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
-        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
-
-
-POSITIVE, AT_LEAST_1, NON_NEGATIVE = Bound(0, lo_open=True), Bound(1), Bound(0)
-FRACTION, FRACTION_BELOW_1 = Bound(0, 1), Bound(0, 1, hi_open=True)
-GPU_LAYERS = Bound(-1)  # -1 = every layer
-
-
-def _f(default, help: str, valid: Bound | None = None, **kw):
-    meta = {"help": help, "valid": valid}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: json.loads(json.dumps(d)), metadata=meta, **kw)
-    return field(default=default, metadata=meta, **kw)
 
 
 @dataclass
@@ -74,7 +36,7 @@ class ModelCfg:
     init_seed: int = _f(1234, "Seed for random initialisation from init_config")
 
 
-# One table of data formats: data/formats.py
+# One table of data formats: format_table.py
 FormatName = Literal[tuple(FORMATS)]
 _MESSAGE_FORMATS = ", ".join(f.name for f in FORMATS.values() if f.message_keys)  # rows that hold a message list
 
@@ -245,7 +207,7 @@ class PlanCfg:
 class Recipe:
     name: str = _f("", "Recipe name (file stem)")
     output_dir: str = _f("", "Where stage outputs go; default runs/<name>")
-    model: ModelCfg = _f(None, "Model", )
+    model: ModelCfg = _f(None, "Model")
     data: DataCfg = _f(None, "Data preparation")
     train: TrainCfg = _f(None, "Training")
     peft: PeftCfg = _f(None, "Parameter-efficient fine-tuning (LoRA / QLoRA); merged into runs/<name>/model after training")
@@ -260,6 +222,16 @@ class Recipe:
     def pairs(self) -> bool:
         """The recipe trains on chosen/rejected pairs (DPO): its data rows are pairs, its micro-batches two rows each."""
         return self.preference.method != "none"
+
+    def eval_sets(self) -> list[EvalSetCfg]:
+        """The held-out sets every stage scores (eval, check, in-training samples); without eval.sets, data.heldout
+        scored exact (what check scores)."""
+        if self.eval.sets:
+            return list(self.eval.sets)
+        if self.data.heldout:
+            return [EvalSetCfg(name="heldout", path=self.data.heldout, scorer="exact",
+                               max_new_tokens=self.check.max_new_tokens)]
+        return []
 
     @property
     def out(self) -> Path:
@@ -276,90 +248,10 @@ _SECTION_CLASSES = {"model": ModelCfg, "data": DataCfg, "train": TrainCfg, "peft
                     "check": CheckCfg, "eval": EvalCfg, "serve": ServeCfg, "plan": PlanCfg}
 
 
-def _suggest(key: str, options) -> str:
-    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
-    return f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(sorted(options))}."
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
-    if dataclasses.is_dataclass(tp):  # a typed sub-section (data.replay): its own keys, checked the same way
-        if isinstance(value, tp):
-            return value
-        if isinstance(value, str):
-            value = yaml.safe_load(value)
-        return _build(tp, value, where)
-    if origin is Literal:
-        sval = value if not isinstance(value, bool) else ("on" if value else "off")
-        if sval not in args:
-            raise RecipeError(f"{where}: '{value}' is not one of {list(args)}.{_suggest(str(value), args)}")
-        return sval
-    if tp is str and value is None:  # `output_dir=` or a bare `key:` would otherwise be the text 'None'
-        raise RecipeError(f"{where}: empty; give it a value, or remove the key for its default.")
-    try:
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "1", "yes", "on"):
-                return True
-            if str(value).lower() in ("false", "0", "no", "off"):
-                return False
-            raise ValueError
-        if tp is int:
-            if isinstance(value, bool):
-                raise ValueError
-            f = float(value)
-            if f != int(f):
-                raise ValueError
-            return int(f)
-        if tp is float:
-            if isinstance(value, bool):
-                raise ValueError
-            return float(value)
-        if tp is str:
-            if isinstance(value, (dict, list)):
-                raise ValueError
-            return str(value)
-        if tp in (dict, list):
-            if isinstance(value, str):
-                value = yaml.safe_load(value)
-            if not isinstance(value, tp):
-                raise ValueError
-            return value
-    except (TypeError, ValueError):
-        raise RecipeError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}.") from None
-    return value
-
-
-def _build(cls, raw: dict, where: str):
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{where}: expected a mapping, got {raw!r}.")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in raw.items():
-        if key not in fields:
-            raise RecipeError(f"{where}: unknown key '{key}'.{_suggest(key, fields)}")
-        kwargs[key] = _coerce(value, hints[key], f"{where}.{key}")
-        bound = fields[key].metadata.get("valid")
-        if bound is not None and kwargs[key] is not None and kwargs[key] not in bound:
-            raise RecipeError(f"{where}.{key}={kwargs[key]!r}: must be {bound}.")
-    return cls(**kwargs)
-
-
 def _build_source(raw: Any, where: str) -> SourceCfg:
     if isinstance(raw, str):
         raw = {"path": raw}
-    src = _build(SourceCfg, raw, where)
+    src = build(SourceCfg, raw, where)
     if not src.path:
         raise RecipeError(f"{where}.path: every data source needs a path or hub id.")
     fmt = FORMATS[src.format]
@@ -367,7 +259,7 @@ def _build_source(raw: Any, where: str) -> SourceCfg:
     for key, col in src.columns.items():  # a mistyped name would otherwise be ignored and the field read unmapped
         if key not in names or not isinstance(col, str):
             raise RecipeError(f"{where}.columns: {key!r}: {col!r} is not a mapping of one of format {src.format}'s "
-                              f"fields {list(names)} to your column name.{_suggest(str(key), names)}")
+                              f"fields {list(names)} to your column name.{suggest(str(key), names)}")
     if src.roles and (not fmt.message_keys
                       or not all(isinstance(k, str) and v in ROLE_TARGETS for k, v in src.roles.items())):
         raise RecipeError(f"{where}.roles: {src.roles!r}: for formats {_MESSAGE_FORMATS} only, each of your role "
@@ -384,7 +276,7 @@ def _build_source(raw: Any, where: str) -> SourceCfg:
 
 
 def _build_eval_set(raw: Any, where: str) -> EvalSetCfg:
-    es = _build(EvalSetCfg, raw, where)
+    es = build(EvalSetCfg, raw, where)
     if not es.name or not es.path:
         raise RecipeError(f"{where}: every eval set needs a name and a path (JSONL with messages + answer).")
     for key in ("forbid", "pattern"):
@@ -403,7 +295,7 @@ def recipe_path(name_or_path: str) -> Path:
     if candidate.exists():
         return candidate
     known = sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))
-    raise RecipeError(f"recipe '{name_or_path}' not found in {RECIPES_DIR}.{_suggest(name_or_path, known)}")
+    raise RecipeError(f"recipe '{name_or_path}' not found in {RECIPES_DIR}.{suggest(name_or_path, known)}")
 
 
 def apply_overrides(raw: dict, overrides: list[str], where: str = "override") -> dict:
@@ -414,7 +306,7 @@ def apply_overrides(raw: dict, overrides: list[str], where: str = "override") ->
         key, value = ov.split("=", 1)
         parts = key.split(".")
         if len(parts) > 1 and parts[0] not in SECTIONS:
-            raise RecipeError(f"{where} '{ov}': unknown section '{parts[0]}'.{_suggest(parts[0], SECTIONS)}")
+            raise RecipeError(f"{where} '{ov}': unknown section '{parts[0]}'.{suggest(parts[0], SECTIONS)}")
         node = raw
         for depth, part in enumerate(parts[:-1]):  # deeper than section.key: into a mapping (train.zero.<key>)
             child = node.get(part)
@@ -433,11 +325,11 @@ def from_dict(raw: dict, where: str = "recipe") -> Recipe:
     kwargs = {}
     for key, value in raw.items():
         if key not in SECTIONS:
-            raise RecipeError(f"{where}: unknown top-level key '{key}'.{_suggest(key, SECTIONS)}")
+            raise RecipeError(f"{where}: unknown top-level key '{key}'.{suggest(key, SECTIONS)}")
         if key in _SECTION_CLASSES:
-            kwargs[key] = _build(_SECTION_CLASSES[key], value, f"{where}: {key}")
+            kwargs[key] = build(_SECTION_CLASSES[key], value, f"{where}: {key}")
         else:
-            kwargs[key] = _coerce(value, str, f"{where}: {key}")
+            kwargs[key] = coerce(value, str, f"{where}: {key}")
     for key, cls in _SECTION_CLASSES.items():
         kwargs.setdefault(key, cls())
     recipe = Recipe(**kwargs)
@@ -484,7 +376,7 @@ def _validate(r: Recipe, where: str) -> None:
         raise RecipeError(f"{where}: eval.sets names must be unique.")
     if r.data.heldout and r.eval.sets:
         # held-out prompts are declared one way: data.heldout is the short form of a single exact-scored set, and
-        # eval.sets, once set, is what every stage scores (answering.eval_sets), so the other would be ignored
+        # eval.sets, once set, is what every stage scores (Recipe.eval_sets), so the other would be ignored
         raise RecipeError(f"{where}: data.heldout ({r.data.heldout}) and eval.sets are both set, and only eval.sets "
                           f"is scored: list it in eval.sets ({{name: heldout, path: {r.data.heldout}, scorer: "
                           f"exact}}) and set data.heldout: null, or set data.heldout alone.")
@@ -529,35 +421,9 @@ def _validate_preference(r: Recipe, where: str) -> None:
                           f"fine-tuning.")
 
 
-class _UniqueKeys(yaml.SafeLoader):
-    """PyYAML keeps the last of two equal keys without a word: a recipe with `model:` twice trains on half of it."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, typing.Hashable):  # PyYAML's own error follows
-                continue
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice in this mapping; "
-                                                        f"keep one", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
 def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> Recipe:
     path = recipe_path(name_or_path)
-    try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeys) or {}
-    except yaml.YAMLError as e:  # one line: the file, the line, PyYAML's problem
-        mark = getattr(e, "problem_mark", None)
-        raise RecipeError(f"{path}{f' line {mark.line + 1}' if mark else ''}: not valid YAML: "
-                          f"{getattr(e, 'problem', None) or e}.") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise RecipeError(f"{path}: cannot be read as a recipe ({why_unreadable(e)}).") from None
-    if not isinstance(raw, dict):
-        raise RecipeError(f"{path}: a recipe is a YAML mapping of sections (model:, data:, train:, ...), not a "
-                          f"{type(raw).__name__}.")
+    raw = read_yaml(path)
     raw.setdefault("name", path.stem)
     raw = apply_overrides(raw, overrides or [])
     return from_dict(raw, where=str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path))
@@ -570,22 +436,17 @@ def resolve_path(p: str | None) -> Path | None:
     return q if q.is_absolute() else REPO_ROOT / q
 
 
-def _help(f: dataclasses.Field) -> str:
-    valid = f.metadata.get("valid")
-    return f.metadata.get("help", "") + (f" ({valid})" if valid else "")
-
-
 def explain() -> str:
     lines = []
     for section, cls in _SECTION_CLASSES.items():
         lines.append(f"{section}:")
         for f in dataclasses.fields(cls):
             d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  {f.name}: {d!r:<12} # {_help(f)}")
+            lines.append(f"  {f.name}: {d!r:<12} # {help_of(f)}")
             sub = {("eval", "sets"): ("- ", EvalSetCfg), ("data", "replay"): ("", ReplayCfg),
                    ("data", "sources"): ("- ", SourceCfg), ("eval", "pairs"): ("", SourceCfg)}.get((section, f.name))
             if sub:  # typed items and sub-sections: show their fields too
                 for g in dataclasses.fields(sub[1]):
                     gd = g.default if g.default is not dataclasses.MISSING else g.default_factory()
-                    lines.append(f"    {sub[0]}{g.name}: {gd!r:<10} # {_help(g)}")
+                    lines.append(f"    {sub[0]}{g.name}: {gd!r:<10} # {help_of(g)}")
     return "\n".join(lines)

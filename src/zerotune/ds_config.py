@@ -45,7 +45,7 @@ def loss_scale(grad_accum: int | None, steps: int | None) -> tuple[int, int]:
 def build(r: Recipe, bp=None, steps: int | None = None, load_universal: bool = False) -> dict | None:
     """bp: the batch.BatchPlan of this run; steps: optimizer steps. Without them (planning before data
     exists) the fp16 scale keys fall back to DeepSpeed's defaults. load_universal: this run resumes from a
-    universal conversion (universal.py; read by engine.load_checkpoint, deepspeed runtime/engine.py:1712)."""
+    universal conversion (reshard.py; read by engine.load_checkpoint, deepspeed runtime/engine.py:1712)."""
     if r.train.deepspeed is None:
         return None
     path = resolve_path(r.train.deepspeed)

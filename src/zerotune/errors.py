@@ -8,8 +8,9 @@ Anything else is a bug or an environment failure and keeps its traceback. ZEROTU
 the traceback of a user error too.
 
 Under torchrun every rank may hit the same error: local rank 0 prints it and hands it to the
-launcher in `runs/<r>/train/error.json` (other ranks write `error.rank<N>.json` silently), and
-train/torchrun.py keeps torchrun's own failure report (a ChildFailedError traceback and a table
+launcher in `runs/<r>/train/error.json` (other ranks write `error.rank<N>.json` silently; the writer is
+train/handoff.py's hand_off, which writes atomically through manifest.py, a module this base one must not
+import), and train/torchrun.py keeps torchrun's own failure report (a ChildFailedError traceback and a table
 per run) off the terminal when a handoff exists.
 """
 
@@ -61,29 +62,13 @@ def report(e: BaseException) -> int:
     return EXIT_CODE
 
 
-def hand_off(train_dir: Path, e: BaseException) -> int:
-    """A worker's user error: local rank 0 prints it and writes the handoff; other ranks only write theirs."""
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    name = HANDOFF if local == 0 else f"error.rank{os.environ.get('RANK', local)}.json"
-    train_dir.mkdir(parents=True, exist_ok=True)
-    tmp = train_dir / f".{name}.{os.getpid()}"
-    tmp.write_text(json.dumps({"message": str(e), "type": type(e).__name__, "rank": os.environ.get("RANK"),
-                               "printed": local == 0}))
-    os.replace(tmp, train_dir / name)  # the launcher never reads a half-written file
-    if local == 0:
-        return report(e)
-    if debug():
-        traceback.print_exception(e)
-    return EXIT_CODE
-
-
 def clear_handoffs(train_dir: Path) -> None:
     for f in list(train_dir.glob("error.json")) + list(train_dir.glob("error.rank*.json")):
         f.unlink(missing_ok=True)
 
 
 def read_handoff(train_dir: Path) -> dict | None:
-    """The user error a worker handed off, if any (rank 0's first)."""
+    """The user error a worker handed off (train/handoff.py hand_off), if any (rank 0's first)."""
     files = sorted(train_dir.glob("error.rank*.json"), key=lambda f: int(f.stem.split("rank")[1]))
     for f in [train_dir / HANDOFF, *files]:
         try:

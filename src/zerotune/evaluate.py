@@ -16,15 +16,18 @@ import time
 from pathlib import Path
 
 from . import manifest as mf
-from .answering import eval_sets, leakage_by_model, load_rows, score_models, set_failures
+from .answering import leakage_by_model, load_rows, score_models, set_failures
+from .chat_template import hf_end_tokens
 from .config import EvalSetCfg, Recipe
 from .errors import UserError
-from .layout import layout
-from .preference.scoring import describe as describe_pairs, score_pairs
+from .layout import layout, write_resolved_recipe
+from .preference.scoring import describe as describe_pairs
+from .preference.scoring import score_pairs
+from .serve import build_app
 
 
 def evaluate(r: Recipe) -> int:
-    sets = eval_sets(r)
+    sets = r.eval_sets()
     if not sets:
         raise UserError(f"recipe {r.name}: nothing to evaluate; add eval.sets (name, path, scorer) or data.heldout.")
     rows_by_set = {es.name: load_rows(es) for es in sets}
@@ -58,6 +61,7 @@ def evaluate(r: Recipe) -> int:
                           for es in sets}}
     paths = layout(r)
     mf.write(paths.eval_json, result)
+    write_resolved_recipe(paths.eval, r)
     plot(table, paths.eval_png, r.name)
     print(format_table(table, lm))
     if pairs:
@@ -188,9 +192,6 @@ def run_lm_eval(r: Recipe, es: EvalSetCfg, rows: list[dict]) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
     from transformers import AutoTokenizer
-
-    from .chat_template import hf_end_tokens
-    from .serve import build_app
 
     model_dir = layout(r).model
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -47,7 +47,7 @@ def eval_out_of_memory(step: int) -> None:
 
 
 def kill_while_converting() -> None:
-    """Called by universal.convert between DeepSpeed's conversion and zerotune's checks and publish."""
+    """Called by reshard.build_conversion between DeepSpeed's conversion and zerotune's checks and publish."""
     if os.environ.get(ENV_KILL_CONVERTING):
         import signal
 
@@ -56,7 +56,7 @@ def kill_while_converting() -> None:
 
 
 def slow_conversion() -> None:
-    """Called by universal.convert at the same point as kill_while_converting, inside its stoppable block."""
+    """Called by reshard.build_conversion at the same point as kill_while_converting, inside its stoppable block."""
     seconds = os.environ.get(ENV_SLOW_CONVERSION)
     if seconds:
         import time

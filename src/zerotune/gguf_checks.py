@@ -46,6 +46,7 @@ from typing import Any
 from . import quiet
 from .chat_template import CHAT_FORMAT, hf_end_tokens, in_form, tool_support
 from .errors import UserError
+from .families import llama_cpp_problems, of_config
 from .quant_types import quant_type
 
 PROBE_TEXTS = [
@@ -291,8 +292,6 @@ def tokenizer_parity(gguf: Path, model_dir: Path, texts=PROBE_TEXTS, chats=PROBE
     from gguf import Keys
     from transformers import AutoTokenizer
 
-    from .families import of_config
-
     family = of_config(Path(model_dir) / "config.json")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     has_template = bool(read_header(gguf).get(Keys.Tokenizer.CHAT_TEMPLATE))
@@ -428,7 +427,6 @@ def inspect_gguf(path: Path, model_dir: Path, qtype: str) -> dict:
         notes.append(f"llama.cpp ends generation at {parity['eog_known_quirk']} by its spelling, an ordinary "
                      f"{parity['family']} token (a typed '</s>' in a prompt becomes it): a known llama.cpp quirk, "
                      "docs/training.md#model-families")
-    from .families import llama_cpp_problems, of_config
     problems += llama_cpp_problems(of_config(hf_cfg), hf_cfg)
     if problems:
         raise GGUFCheckError(f"{path} failed its checks:\n- " + "\n- ".join(problems))

@@ -23,8 +23,10 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from .config import REPO_ROOT, Recipe, resolve_path
+from .config import REPO_ROOT, Recipe, load_recipe, resolve_path
 from .errors import UserError
+from .families import of_config, public_config
+from .layout import producing_recipe
 
 CONFIG = "config.json"
 # (single file, index) pairs from_pretrained can load, in its order of preference; fetch downloads the first only
@@ -35,6 +37,10 @@ MODEL_FILES = [CONFIG, "generation_config.json", "model.safetensors.index.json"]
 TOKENIZER_FILES = [*TOKENIZER_ANY, "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
                    "chat_template.json", "vocab.json", "merges.txt"]
 SLURM_HF_HOME = REPO_ROOT / ".cache" / "huggingface"  # slurm/env.sh's default HF_HOME (the submit dir's .cache)
+
+
+class ModelConfigError(RuntimeError):
+    pass
 
 
 class WeightsError(UserError):
@@ -102,6 +108,36 @@ def local_folder(name: str) -> Path:
     return Path(name)
 
 
+def config_source(r: Recipe) -> Path:
+    """Where the model's config.json comes from, without the hub: planning and the family check read it before
+    any download."""
+    if r.model.init_config:
+        return resolve_path(r.model.init_config)
+    name = r.model.name_or_path or ""
+    local = resolve_path(name)
+    if local is not None and (local / "config.json").exists():
+        return local / "config.json"
+    shipped = public_config(name)  # the public config, shipped (families.py): planning needs no download
+    if shipped is not None:
+        return shipped
+    made_by = producing_recipe(local) if local is not None else None
+    if made_by:  # another recipe's published model, not trained yet (DPO after SFT): the same shape as its start
+        return config_source(load_recipe(made_by))
+    raise ModelConfigError(
+        f"model.name_or_path '{name}': no local folder with a config.json and no shipped config for it. "
+        "Download the model (or just its config.json) into a folder and point model.name_or_path at it.")
+
+
+def family_of_recipe(r: Recipe):
+    """The recipe's family (families.py) from its config (init_config, a local folder, or a shipped public
+    config); None when the config is not on this machine yet (a hub model before `make fetch`: the worker checks
+    before it loads)."""
+    try:
+        return of_config(config_source(r))
+    except ModelConfigError:
+        return None
+
+
 def missing_model_files(find: Callable[[str], Path | None], where: str) -> list[str]:
     """What from_pretrained needs that `find` does not have: config.json, the weights (one file, or an index and
     every shard it lists)."""
@@ -136,8 +172,6 @@ def _fix(r: Recipe) -> str:
 def _check_folder(r: Recipe, key: str, name: str, model: bool, tokenizer: bool) -> None:
     folder = resolve_path(name)
     if not folder.is_dir():
-        from .layout import producing_recipe
-
         made_by = producing_recipe(folder)
         if made_by:  # another recipe's published model (DPO after SFT): train that one first
             raise WeightsError(f"{key}: folder {folder} not found: it is recipe {made_by}'s published model. Run "

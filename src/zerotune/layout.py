@@ -1,37 +1,47 @@
 """Where a run's files live: every path a stage reads or writes, stated once, in the order the stages run.
 
     <output_dir>/                     recipe `output_dir` (default runs/<recipe>)
-      replay/        data             answers-<key>.jsonl + .json: the base model's answers to data.replay's prompts
+      replay/        data             answers-<key>.jsonl + answers-<key>.json (the counts): the base model's answers
+                                      to data.replay's prompts, kept across data rebuilds
       data/          data             train/ eval/ (Arrow), manifest.json (fingerprint, counts), lengths.png
       inspect/       inspect          sequences.html: prepared sequences as training sees them, labels highlighted
-      base/          finetune         a random init materialised from model.init_config (pretrained: model.name_or_path)
+      base/          finetune         a random init materialised from model.init_config, zerotune_base.json (what it
+                                      was made from); none when model.name_or_path names the base
       train/         finetune         metrics.jsonl, samples.jsonl, validation_failed.json, curves.png, manifest.json;
-                                      handoff between its processes: recipe.resolved.yaml (written by the
-                                      launcher, read by every rank and finalize), run.json, stopped.json, error*.json;
-                                      between sbatch attempts: stopped_before_training.json
+                                      handoff between its processes: recipe.resolved.yaml and plan.json (written by
+                                      the launcher, read by every rank and finalize), run.json, stopped.json,
+                                      error.json, error.rank<N>.json; between sbatch attempts:
+                                      stopped_before_training.json
       reference/     finetune (DPO)   logps.pt + manifest.json: the starting model's log-probs of every pair, computed
                                       once before the first step, keyed by data, weights and numerics
       checkpoints/   finetune         checkpoint-<step>/ (DeepSpeed shards + zerotune_commit.json; universal/: its
-                                      conversion for another world size, universal.py)
-      model.tmp/     finetune         the consolidated save, verified before it becomes model/
+                                      conversion for another world size, reshard.py)
+      model.tmp/     finetune         the consolidated save, verified before it becomes model/ (PEFT: the adapter)
+      model.merged.tmp/  finetune (PEFT)  base + adapter merged, verified before it becomes model/
       model/         finetune         the published HF model (PEFT: base + adapter, merged)
       adapter/       finetune (PEFT)  the adapter alone
       gguf/          quantize         <recipe>-<type>.gguf, manifest.json
-      eval/          eval             eval.json, eval.png, answers.json, lm-eval task files
+      eval/          eval             eval.json, eval.png, answers.json (eval and check: every model's answers),
+                                      pairs.json (held-out pairs' log-probs), lm_eval_task/ (lm-eval's local task)
       check/         check            check.json
       plan/          plan             plan.json, memory.png
     slurm/logs/<job>-<id>.out         every sbatch's log (set in each script's #SBATCH --output)
+
+recipe.resolved.yaml, the recipe that made a folder (overrides applied, write_resolved_recipe), is in data/,
+inspect/, train/, gguf/, eval/, check/ and plan/. What is published whole (data/, base/, model/, adapter/, the GGUF,
+universal/) is built as <name>.tmp beside it and renamed in (manifest.publish; <name>.old for the instant between
+the two renames).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-from .config import Recipe, resolve_path
+from . import manifest as mf
+from .config import RECIPES_DIR, REPO_ROOT, Recipe, resolve_path
 
 RESOLVED_RECIPE = "recipe.resolved.yaml"  # in each stage's output folder: the recipe that made it
 
@@ -199,8 +209,6 @@ def layout(r: Recipe) -> RunLayout:
 def producing_recipe(folder: Path) -> str | None:
     """The shipped recipe whose default run folder publishes `folder` as its model (runs/<name>/model): a recipe that
     starts from another run's model (smollm2_dpo from smollm2's) names the run to make first."""
-    from .config import RECIPES_DIR, REPO_ROOT
-
     folder = Path(folder).resolve()
     if folder.name != "model" or folder.parent.parent != (REPO_ROOT / "runs").resolve():
         return None
@@ -220,8 +228,4 @@ def upstream_to_train(r: Recipe) -> str | None:
 def write_resolved_recipe(folder: Path, r: Recipe) -> None:
     """The recipe that made a stage's output, overrides applied, beside it as RESOLVED_RECIPE (train/: what its
     processes read, RunLayout.run_recipe)."""
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    final = Path(folder) / RESOLVED_RECIPE
-    tmp = final.with_name(f".{final.name}.{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(r.to_dict(), sort_keys=False))
-    os.replace(tmp, final)  # a reader never sees half a recipe
+    mf.write_atomic(Path(folder) / RESOLVED_RECIPE, yaml.safe_dump(r.to_dict(), sort_keys=False))  # never half a recipe

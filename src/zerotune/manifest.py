@@ -1,7 +1,9 @@
-"""How every stage writes its outputs: atomic JSON, JSON Lines, and publishing a finished folder or file.
+"""How every stage writes its outputs: one atomic file write, JSON, JSON Lines, and publishing a finished folder
+or file.
 
 A stage builds its output beside the published one and publishes it only when it is complete and checked,
-so a failed or interrupted stage leaves the earlier output intact (nothing is lost).
+so a failed or interrupted stage leaves the earlier output intact (nothing is lost). A single file is written by
+`write_atomic` (a temp file beside it, then a rename), the one place that does so.
 """
 
 from __future__ import annotations
@@ -13,18 +15,29 @@ import shutil
 from pathlib import Path
 
 
-
-def write(path: Path, obj: dict) -> None:
-    """Write JSON via temp file + fsync + rename, so a reader never sees half a file."""
+def write_atomic(path: Path, data: str | bytes, fsync: bool = False) -> None:
+    """Write `data` (text as UTF-8) to `path` through a temp file beside it and a rename, so a reader sees the old
+    file or the new one, never half of one. The temp name holds this process's pid: two processes writing the same
+    file never write into each other's temp file. fsync: the bytes reach the disk before the rename (a crash then
+    leaves the old file or the whole new one, never an empty one)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write(path: Path, obj: dict) -> None:
+    """Write JSON atomically, fsynced (write_atomic), so a reader never sees half a file."""
+    write_atomic(path, json.dumps(obj, indent=2, default=str) + "\n", fsync=True)
 
 
 def read(path: Path) -> dict | None:
@@ -68,9 +81,7 @@ def rewind_jsonl(path: Path, step: int, discard_to: Path | None = None) -> int:
     if dropped:
         if discard_to is not None:
             append_jsonl(discard_to, dropped)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(x, default=str) + "\n" for x in keep))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(x, default=str) + "\n" for x in keep))
     return len(dropped)
 
 
@@ -84,9 +95,7 @@ def amend_jsonl(path: Path, step: int, fields: dict) -> bool:
     for x in hit:
         x.update(fields)
     if hit:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(x, default=str) + "\n" for x in rows))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(x, default=str) + "\n" for x in rows))
     return bool(hit)
 
 

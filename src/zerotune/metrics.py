@@ -83,14 +83,24 @@ def _hms(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}"
 
 
+def dist_if_initialized():
+    """torch.distributed when a process group is initialised (the ranks of one run), else None (one process)."""
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
 def over_ranks(values: list, op: str, device) -> list[float]:
     """`values` (numbers or 0-d tensors) reduced over all ranks, op "sum" or "max": the same list on every rank;
     in a single process, the values themselves. One collective for the whole list."""
     t = torch.tensor([float(v) for v in values])
-    if dist.is_available() and dist.is_initialized():
+    if dist_if_initialized():
         t = t.to(device)
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t.tolist()
+
+
+def max_over_ranks(value: float, device) -> float:
+    """The largest `value` over every rank (this rank's alone outside a process group): how ranks agree on a stop."""
+    return over_ranks([value], "max", device)[0]
 
 
 def deepspeed_engine(trainer):

@@ -7,7 +7,7 @@ import json
 
 from . import manifest as mf
 from .config import Recipe
-from .layout import layout
+from .layout import layout, write_resolved_recipe
 from .planner.compute import compute_plan
 from .planner.report import format_plan, plot_memory
 
@@ -17,5 +17,6 @@ def plan_main(r: Recipe, as_json: bool = False) -> int:
     paths = layout(r)
     plot_memory(p, paths.plan_png)
     mf.write(paths.plan_json, p.to_json())
+    write_resolved_recipe(paths.plan, r)
     print(json.dumps(p.to_json(), indent=2, default=str) if as_json else format_plan(p) + f"\n\nwrote {paths.plan_png}")
-    return 0 if p.recipe_config["fits"] else 1
+    return 0 if p.recipe_batch.fits else 1

@@ -1,4 +1,6 @@
-"""What stops a run because training went wrong, in the order a step meets it.
+"""What stops a run because training went wrong, in the order a step meets it. A run that stops on a signal or
+its deadline (SIGUSR1, SIGTERM, $ZEROTUNE_DEADLINE: requeued, nothing went wrong) is stopping.py's, acted on by
+train/callbacks.py's StopOnSignal.
 
   when             what went wrong                                           policy              error
   backward         lm_head's gradient inf/NaN before loss scaling (fp16+Liger) LmHeadOverflow      FP16OverflowError

@@ -12,7 +12,7 @@ which does not trim messages as the template does); an optional API key
 when the server shuts down (llama-cpp-python's `__del__` at exit raises).
 
 What a request must be, the limits (serve.max_request_kb, serve.max_tokens, serve.max_queue) and the error shape
-are serve_guard.py's: it stands in front of llama-cpp-python's app.
+are serve_guard.py's (and the modules it names): it stands in front of llama-cpp-python's app.
 """
 
 from __future__ import annotations
@@ -21,11 +21,14 @@ import contextlib
 import os
 from pathlib import Path
 
+from .chat_template import CHAT_FORMAT
 from .config import Recipe
 from .errors import MissingInputError, UserError
-from .chat_template import CHAT_FORMAT
 from .gguf_checks import chat_template_of
 from .layout import layout
+from .serve_guard import Guard
+from .serve_model_checks import ModelFacts
+from .serve_request import Limits
 
 
 class ServeError(UserError, RuntimeError):
@@ -57,8 +60,6 @@ def build_app(r: Recipe, gguf: Path | None = None):
     from llama_cpp.server import app as server_app
     from llama_cpp.server.app import create_app
     from llama_cpp.server.settings import ModelSettings, ServerSettings
-
-    from .serve_guard import Guard, Limits, ModelFacts
 
     gguf = Path(gguf or layout(r).gguf)
     if not gguf.exists():

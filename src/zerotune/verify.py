@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .attention import load_name
 from .hardware import dtype_bytes
 
 PROBE_TOKENS = 256
@@ -65,8 +66,6 @@ def verify_saved_model(folder: Path, expected_params: int, probe: dict, ref_logi
     import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
-
-    from .attention import load_name
 
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))

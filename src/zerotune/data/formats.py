@@ -1,15 +1,7 @@
-"""Data formats, in one table (`FORMATS`), and how a row of each becomes a conversation (or raw text), validated,
-with every key accounted for.
+"""How a row of each data format becomes a conversation (or raw text), validated, with every key accounted for.
 
-`FORMATS` holds one `Format` per name: what it is, the row fields it reads (required and optional), the names
-public data sets use for them, whether it is rendered by the chat template, the message keys and role names of
-the formats whose rows hold a message list, and the function that reads a row. Every reader of formats derives
-from it:
-- config.py: the recipe's `data.sources[i].format` names (the schema's Literal, did-you-mean), the names its
-  `columns` may map, which formats take `roles` and `tools`, the help `zerotune explain` prints;
-- data/prepare.py and data/tokenize.py: which sources need a chat template, and the error that says so;
-- this module's `read_row`: which fields a row must have, what to suggest when one is missing;
-- tests/test_docs.py: docs/data.md shows one row of every format.
+The formats themselves are one table, `FORMATS` in format_table.py (a leaf, which the recipe's schema reads too):
+each names its reader here (`READERS`), the row fields it reads and the names public data sets give them.
 
 What the readers honour (the same for every chat format): OpenAI's chat fine-tuning format, all of it:
 system/user/assistant/tool turns, assistant `tool_calls` (content null), tool replies (`tool_call_id`), and
@@ -17,7 +9,7 @@ system/user/assistant/tool turns, assistant `tool_calls` (content null), tool re
 ({from, value}) are read as `sharegpt` and counted, so prepare can say what it detected. ShareGPT's
 function_call/observation turns (LLaMA-Factory's layout: a call's value is the call as JSON) are tool calls and
 tool replies. `columns` maps a data set's names onto ours (row fields and, for message-list formats, the
-message keys `role` and `content`); `roles` maps its role names onto ours (ROLE_TARGETS).
+message keys `role` and `content`); `roles` maps its role names onto ours (format_table.ROLE_TARGETS).
 
 Nothing is dropped silently. Every key of a row or message is honoured, refused (BadSample: file, line, fix),
 or reported back as ignored in `Doc.notes`, which prepare counts per source in the manifest and the log. A null
@@ -39,19 +31,12 @@ import difflib
 import json
 import re
 from dataclasses import dataclass
-from typing import Callable
 
 from ..errors import BadSample
+from ..format_table import FORMATS, OUR_ROLES, ROLES, Format, tool_definitions
 
-ROLES = {"system", "user", "assistant", "tool"}
-# What `roles` may map a data set's role names onto; tool_call = an assistant turn whose text is a tool call
-ROLE_TARGETS = ("system", "user", "assistant", "tool", "tool_call")
+# What an unknown role is probably called in ours, for the error that names it
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
-# ShareGPT's role names as the public sets spell them (and LLaMA-Factory's function_call/observation turns)
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-                  "chatgpt": "assistant", "bard": "assistant", "system": "system", "function_call": "tool_call",
-                  "tool_call": "tool_call", "observation": "tool", "tool": "tool", "function": "tool"}
-_OUR_ROLES = {r: r for r in ROLES}
 # Keys that change what is trained. Never ignored: read where they are honoured, refused anywhere else.
 NOT_READ = {
     "loss": "zerotune reads OpenAI's per-turn \"weight\": 0|1 instead",
@@ -59,25 +44,6 @@ NOT_READ = {
     "function_call": "use \"tool_calls\" (OpenAI's current format) instead of the legacy function_call",
     "functions": "use \"tools\" (OpenAI's current format) instead of the legacy functions",
 }
-
-
-@dataclass(frozen=True)
-class Format:
-    name: str
-    what: str                         # one line: the recipe's help text (`zerotune explain`)
-    fields: tuple[str, ...]           # the row fields it reads, in the order docs/data.md shows them
-    optional: tuple[str, ...]         # those of them a row may leave out (or null)
-    aliases: dict                     # field -> names public data sets give it, suggested when it is missing
-    chat: bool                        # rendered by the chat template; False: the text alone, between BOS and EOS
-    read: Callable                    # (row, format, columns, where, roles, notes) -> (conversation | text, keys read)
-    message_keys: dict | None = None  # a row holding a message list: its field and message keys, as the data names them
-    roles: dict | None = None         # and its role names -> ours
-    pair: bool = False                # a preference pair (read into a Pair): trained by preference.method, not SFT
-
-    @property
-    def columns(self) -> tuple[str, ...]:
-        """The names `data.sources[i].columns` may map: the row fields, then the message keys."""
-        return self.fields + (("role", "content") if self.message_keys else ())
 
 
 @dataclass
@@ -141,33 +107,6 @@ def _system(row: dict, columns: dict, where: str, fmt: Format) -> list[dict]:
     if s is not None and not isinstance(s, str):
         raise BadSample(where, f"'system' must be a string, got {type(s).__name__}.")
     return [{"role": "system", "content": s}] if isinstance(s, str) and s.strip() else []
-
-
-def tool_definitions(value, what: str = "tools") -> list | None:
-    """Tool definitions as chat templates take them: OpenAI's [{type: function, function: {name, ...}}], for a
-    source (data.sources[i].tools, checked by config.py at load) and for a row's own. Bare {name, description,
-    parameters} items (LLaMA-Factory, glaive) are wrapped into that form; JSON text is parsed; an empty list, ""
-    or null is no tools. Raises ValueError(reason, fix)."""
-    if isinstance(value, str) and value.strip():
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"'{what}' holds malformed JSON ({e.msg} at column {e.colno}).",
-                             "repair the JSON in that field.") from None
-    if value is None or value == "" or value == []:
-        return None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise ValueError(f"'{what}' must be a list of tool definitions, got {type(value).__name__}.",
-                         "use OpenAI's form: [{\"type\": \"function\", \"function\": {\"name\": ..., "
-                         "\"parameters\": {...}}}].")
-    out = []
-    for k, t in enumerate(value):
-        t = t if "function" in t else {"type": "function", "function": t}
-        if not isinstance(t["function"], dict) or not isinstance(t["function"].get("name"), str):
-            raise ValueError(f"'{what}' item {k} has no function name.",
-                             "each tool needs {\"type\": \"function\", \"function\": {\"name\": ...}}.")
-        out.append(t)
-    return out
 
 
 def normalize_tools(value, where: str, what: str = "tools") -> list | None:
@@ -304,7 +243,7 @@ def validate_messages(msgs: list, where: str, role_key: str = "role", content_ke
     """Chat messages in our form: role, content, and what the template or the labels read (tool_calls,
     tool_call_id/name on tool turns, weight 0, truncated). Ignored message keys are counted into `notes`."""
     notes = {} if notes is None else notes
-    role_map = _OUR_ROLES if role_map is None else role_map
+    role_map = OUR_ROLES if role_map is None else role_map
     out = [_message(m, i, role_key, content_key, role_map, where, notes) for i, m in enumerate(msgs)]
     assistant = [m for m in out if m["role"] == "assistant"]
     if not assistant:
@@ -451,7 +390,7 @@ def _read_preference(row: dict, fmt: Format, columns: dict, where: str, roles: d
         _count(notes, "hh_text")
         comp = {k: _hh_text(raw[k], where, columns.get(k, k)) for k in ("chosen", "rejected")}
         for k in comp:
-            comp[k] = [_message(m, i, "role", "content", _OUR_ROLES, f"{where} ({k})", notes)
+            comp[k] = [_message(m, i, "role", "content", OUR_ROLES, f"{where} ({k})", notes)
                        for i, m in enumerate(comp[k])]
     else:
         comp = {k: _turns(raw[k], where, columns.get(k, k), cols, role_map, notes, reply=True)
@@ -486,45 +425,10 @@ def _read_openai_preference(row: dict, fmt: Format, columns: dict, where: str, r
     return pair, _named(fmt, columns)
 
 
-_MESSAGES_ALIASES = {"messages": ("conversations", "conversation", "messages", "dialog", "chat", "turns")}
-# name -> Format; the recipe's schema, prepare and the docs test read it (see the module docstring)
-FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format("messages", "OpenAI chat fine-tuning rows {messages: [{role, content}]} with per-turn weight, tools and "
-           "tool calls", fields=("messages", "system", "tools"), optional=("system", "tools"),
-           aliases=_MESSAGES_ALIASES, chat=True, read=_read_chat,
-           message_keys={"messages": "messages", "role": "role", "content": "content"}, roles=_OUR_ROLES),
-    Format("sharegpt", "ShareGPT rows {conversations: [{from, value}]} with ShareGPT's role names",
-           fields=("messages", "system", "tools"), optional=("system", "tools"), aliases=_MESSAGES_ALIASES,
-           chat=True, read=_read_chat,
-           message_keys={"messages": "conversations", "role": "from", "content": "value"}, roles=SHAREGPT_ROLES),
-    Format("instruction", "Alpaca rows {instruction, input (optional), output}",
-           fields=("instruction", "input", "output", "system", "tools"), optional=("input", "system", "tools"),
-           aliases={"instruction": ("instruction", "question", "prompt", "query", "task"),
-                    "output": ("output", "response", "answer", "completion", "target", "chosen")},
-           chat=True, read=_read_instruction),
-    Format("prompt_completion", "{prompt, completion} rows, one user turn and one reply",
-           fields=("prompt", "completion", "system", "tools"), optional=("system", "tools"),
-           aliases={"prompt": ("prompt", "question", "query", "instruction", "input"),
-                    "completion": ("completion", "response", "answer", "output", "target", "chosen")},
-           chat=True, read=_read_prompt_completion),
-    Format("text", "{text} rows, every token trained, no chat template (continued pretraining)",
-           fields=("text",), optional=(), aliases={"text": ("text", "content", "document", "body")},
-           chat=False, read=_read_text),
-    Format("preference", "TRL preference pairs {prompt, chosen, rejected} (strings or message lists); without prompt, or "
-           "repeating it: full conversations sharing a prompt prefix (UltraFeedback, HH-RLHF)",
-           fields=("prompt", "chosen", "rejected", "system"), optional=("prompt", "system"),
-           aliases={"prompt": ("prompt", "question", "instruction", "input", "query"),
-                    "chosen": ("chosen", "preferred", "chosen_response", "response_chosen", "accepted"),
-                    "rejected": ("rejected", "non_preferred", "rejected_response", "response_rejected")},
-           chat=True, read=_read_preference, message_keys={"role": "role", "content": "content"}, roles=_OUR_ROLES,
-           pair=True),
-    Format("openai_preference", "OpenAI preference fine-tuning rows {input: {messages, tools}, preferred_output, "
-           "non_preferred_output}", fields=("input", "preferred_output", "non_preferred_output"), optional=(),
-           aliases={"preferred_output": ("preferred_output", "chosen"),
-                    "non_preferred_output": ("non_preferred_output", "rejected")},
-           chat=True, read=_read_openai_preference, message_keys={"role": "role", "content": "content"},
-           roles=_OUR_ROLES, pair=True),
-)}
+# Format.reader -> the function that reads a row: (row, format, columns, where, roles, notes) -> (conversation | text,
+# the row keys read)
+READERS = {"chat": _read_chat, "instruction": _read_instruction, "prompt_completion": _read_prompt_completion,
+           "text": _read_text, "preference": _read_preference, "openai_preference": _read_openai_preference}
 
 
 def read_row(row: dict, fmt: str, columns: dict, where: str, roles: dict | None = None,
@@ -533,7 +437,7 @@ def read_row(row: dict, fmt: str, columns: dict, where: str, roles: dict | None 
     definitions, for rows without their own."""
     form = FORMATS[fmt]
     notes: dict = {}
-    conv, used = form.read(row, form, columns, where, roles or {}, notes)
+    conv, used = READERS[form.reader](row, form, columns, where, roles or {}, notes)
     if form.chat:  # a pair's own tools were read by its format (OpenAI's input.tools)
         own = conv.tools if form.pair else normalize_tools(_get(row, "tools", columns, where, form), where,
                                                            columns.get("tools", "tools"))

@@ -32,9 +32,10 @@ from tqdm import tqdm
 from .. import manifest as mf
 from ..config import Recipe
 from ..errors import BadSample, UserError
+from ..format_table import FORMATS
 from ..layout import layout, write_resolved_recipe
 from .cache import fingerprint, load_tokenizer
-from .formats import FORMATS, read_row
+from .formats import read_row
 from .packing import attention_pairs, best_fit_decreasing, iter_packed
 from .replay import replay_key, replay_source
 from .sources import SKIP_HINT, mixture, mixture_plan

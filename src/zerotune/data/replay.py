@@ -9,8 +9,7 @@ Fine-Tuning", arXiv 2402.13669, uses the model's own rewrites for the same end).
 Phase: the data step (`zerotune data`), one process, before any launch. The recipe's base model answers the
 prompts through the training tokenizer's chat template (answering.hf_answers, eval.batch_size per generate()
 call): on a CUDA GPU when one is visible, in the precision training would use there (fp16 on V100, bf16 on
-sm80+), else on the CPU in fp32. `zerotune plan` says what it costs at the recipe's scale (planner/phases.py,
-replay_plan).
+sm80+), else on the CPU in fp32. `zerotune plan` says what it costs at the recipe's scale (planner/replay.py).
 
 Cache: <output_dir>/replay/answers-<key>.jsonl (layout.replay_answers), key = the base weights' identity, the
 prompts (sha256 and limit), the chat template and max_new_tokens. The data fingerprint holds the key: changing
@@ -32,60 +31,16 @@ import time
 from pathlib import Path
 
 from .. import manifest as mf
+from ..answering import hf_answers, load_hf, load_rows, weights_identity
 from ..config import Recipe, SourceCfg, resolve_path
-from ..errors import MissingInputError, UserError
+from ..errors import MissingInputError
+from ..families import base_template_kwargs, of_config
+from ..hardware import choose, detect
+from ..hub import local_folder
 from ..layout import layout
-
+from .replay_prompts import ReplayError, load_prompts, prompt_file
 
 FORMAT = 2  # bump when what is kept or how it is written changes (2: cut-off answers kept, marked truncated)
-
-
-class ReplayError(UserError, ValueError):
-    pass
-
-
-def _prompt_file(r: Recipe) -> Path:
-    path = resolve_path(r.data.replay.path)
-    if path is None or not path.is_file():
-        raise MissingInputError(f"data.replay.path: {path} not found; it must be a JSONL of general prompts, one "
-                                f"{{\"messages\": [{{\"role\": \"user\", \"content\": \"...\"}}]}} per line "
-                                f"(data/general/prompts.jsonl ships with zerotune).")
-    return path
-
-
-def load_prompts(r: Recipe) -> list[dict]:
-    """The replay prompts: chat prompts that end with a user turn, the first data.replay.limit of them."""
-    path = _prompt_file(r)
-    rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{r.data.replay.path} line {i}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ReplayError(f"{where}: not valid JSON ({e.msg}); each line is one {{\"messages\": [...]}} "
-                              f"object.") from None
-        msgs = row.get("messages") if isinstance(row, dict) else None
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "user",
-                                                                                                 "assistant")
-                for m in msgs):
-            raise ReplayError(f"{where}: needs 'messages', a list of {{role, content}} turns (system, user, "
-                              f"assistant) with string content.")
-        if msgs[-1]["role"] != "user":
-            raise ReplayError(f"{where}: the last turn is '{msgs[-1]['role']}'; a replay prompt ends with the user "
-                              f"turn the base model answers.")
-        extra = sorted(set(row) - {"messages"})
-        if extra:
-            raise ReplayError(f"{where}: unexpected key(s) {extra}: a replay prompt is only 'messages' (the base "
-                              f"model writes the answer); remove them.")
-        rows.append({"messages": msgs})
-        if r.data.replay.limit is not None and len(rows) >= r.data.replay.limit:
-            break
-    if not rows:
-        raise ReplayError(f"{r.data.replay.path}: no prompts; data.replay needs at least one.")
-    return rows
 
 
 def _norm(text: str) -> str:
@@ -95,10 +50,8 @@ def _norm(text: str) -> str:
 def check_disjoint(r: Recipe, prompts: list[dict]) -> None:
     """Refuse replay prompts that are also evaluation prompts: replaying the base model's answer to a held-out
     question would train on the test (compared on the last user turn, case and punctuation ignored)."""
-    from ..answering import eval_sets, load_rows
-
     mine = {_norm(p["messages"][-1]["content"]): p["messages"][-1]["content"] for p in prompts}
-    for es in eval_sets(r):  # data.heldout among them when it is set (config allows one of the two)
+    for es in r.eval_sets():  # data.heldout among them when it is set (config allows one of the two)
         try:
             rows = load_rows(es)
         except MissingInputError:
@@ -112,30 +65,24 @@ def check_disjoint(r: Recipe, prompts: list[dict]) -> None:
                               f"them would train on the test. Fix: remove them from one of the two files.")
 
 
-def _weights_identity(r: Recipe) -> str:
+def _base_weights(r: Recipe) -> str:
     """Which base weights answer, cheaply: the resolved folder (a hub id's snapshot folder names its commit) and
     the name, size and mtime of its weight files."""
-    from ..answering import _identity
-    from ..hub import local_folder
-
     folder = local_folder(str(layout(r).base))
-    return json.dumps([str(folder), _identity(Path(folder))])
+    return json.dumps([str(folder), weights_identity(Path(folder))])
 
 
 def _template_kwargs(r: Recipe) -> dict:
     """How the base model is prompted (families.base_template_kwargs: Qwen3 answers without reasoning)."""
-    from ..families import base_template_kwargs, of_config
-    from ..hub import local_folder
-
     return base_template_kwargs(of_config(Path(local_folder(str(layout(r).base)))))
 
 
 def replay_key(r: Recipe, tok) -> dict:
     """What the replay answers depend on (the data fingerprint holds it), and its digest (the cache file name)."""
     rp = r.data.replay
-    inputs = {"format": FORMAT, "prompts_sha256": mf.sha256(_prompt_file(r)), "limit": rp.limit, "max_new_tokens": rp.max_new_tokens,
+    inputs = {"format": FORMAT, "prompts_sha256": mf.sha256(prompt_file(r)), "limit": rp.limit, "max_new_tokens": rp.max_new_tokens,
               "chat_template": hashlib.sha256((tok.chat_template or "").encode()).hexdigest(),
-              "weights": _weights_identity(r)}
+              "weights": _base_weights(r)}
     if _template_kwargs(r):
         inputs["template_kwargs"] = _template_kwargs(r)
     return {"key": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16], "inputs": inputs}
@@ -147,8 +94,6 @@ def _device_and_dtype(family):
     fp32."""
     import torch
 
-    from ..hardware import choose, detect
-
     gpu = detect()
     if gpu.capability is None:
         return "cpu", torch.float32, "fp32"
@@ -158,11 +103,6 @@ def _device_and_dtype(family):
 
 def answer(r: Recipe, tok, prompts: list[dict], key: dict) -> dict:
     """The base model answers the prompts once; the conversations and their counts go to the cache."""
-    from ..answering import hf_answers, load_hf
-    from ..hub import local_folder
-
-    from ..families import of_config
-
     paths = layout(r)
     base = local_folder(str(paths.base))
     device, dtype, precision = _device_and_dtype(of_config(Path(base)))
@@ -191,11 +131,8 @@ def answer(r: Recipe, tok, prompts: list[dict], key: dict) -> dict:
             "device": device, "precision": precision, "batch_size": r.eval.batch_size,
             "seconds": round(seconds, 1)}
     jsonl = paths.replay_answers(key["key"])
-    jsonl.parent.mkdir(parents=True, exist_ok=True)
-    tmp = jsonl.with_name(jsonl.name + ".tmp")
-    tmp.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in kept), encoding="utf-8")
     mf.write(jsonl.with_suffix(".json"), meta)  # the counts first: answers without them are not a cache hit
-    tmp.replace(jsonl)
+    mf.write_atomic(jsonl, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in kept))
     return meta
 
 
@@ -217,8 +154,12 @@ def replay_source(r: Recipe, tok, task_rows: int, key: dict) -> tuple[SourceCfg,
     ratio = r.data.replay.ratio
     weight = ratio * task_rows / ((1 - ratio) * meta["kept"])
     taken = int(math.floor(weight)) * meta["kept"] + int(round((weight - math.floor(weight)) * meta["kept"]))
+    # the planner sizes the answering from these once they are known (planner/replay.py)
+    lengths = [len(tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=True,
+                                           return_dict=True, **_template_kwargs(r))["input_ids"]) for p in prompts]
     info = {**{k: meta[k] for k in ("key", "prompts", "kept", "cut_off", "empty", "device", "precision",
                                     "seconds")},
+            "prompts_sha256": mf.sha256(prompt_file(r)), "prompt_tokens_max": max(lengths),
             "cached": cached, "answers": str(jsonl), "ratio": ratio, "weight": round(weight, 4),
             "documents": taken, "share": round(taken / max(1, taken + task_rows), 4),
             "times_each": round(weight, 2)}

@@ -32,7 +32,8 @@ import numpy as np
 
 from ..chat_template import CALL_FORMS, in_form, tool_support
 from ..errors import BadSample, UserError
-from .formats import FORMATS, Pair
+from ..format_table import FORMATS
+from .formats import Pair
 
 IGNORE = -100
 

@@ -15,8 +15,9 @@ import html
 import sys
 from pathlib import Path
 
+from .. import manifest as mf
 from ..config import Recipe
-from ..layout import layout
+from ..layout import layout, write_resolved_recipe
 from .cache import load_tokenizer, require_prepared
 from .prepare import source_lines
 from .tokenize import IGNORE
@@ -162,9 +163,7 @@ def inspect_data(r: Recipe, n: int = 2, out=None, color: bool | None = None) -> 
     for k, docs in enumerate(shown):
         print(render_text(tok, k, len(ds), docs, color), file=out)
     path = layout(r).inspect_html
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(_html(r, m, tok, shown, len(ds)), encoding="utf-8")
-    tmp.replace(path)
+    mf.write_atomic(path, _html(r, m, tok, shown, len(ds)))
+    write_resolved_recipe(path.parent, r)
     print(f"inspect: wrote {path}", file=out)
     return path

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..checkpoint import committed, step_of
+
 
 def tree_bytes(p: Path) -> int:
     """Bytes of the files under p (apparent size: what a checkpoint's files will take on a full disk)."""
@@ -35,8 +37,6 @@ def tree_bytes(p: Path) -> int:
 
 def held(checkpoints: Path, model_staging: Path) -> dict:
     """What the run already holds that the events below replace: committed checkpoints and a stale model.tmp/."""
-    from ..checkpoint import committed, step_of
-
     good = committed(checkpoints)
     return {"checkpoints": len(good), "checkpoint_steps": [step_of(p) for p in good],
             "checkpoint_bytes": sum(tree_bytes(p) for p in good), "model_staging_bytes": tree_bytes(model_staging)}
@@ -93,14 +93,14 @@ def disk_events(*, checkpoint_bytes: int, model_bytes: int, adapter_bytes: int |
             "needed_free_bytes": worst["needed_free_bytes"], "needed_at": worst["event"]}
 
 
-# Checkpoint bytes universal.convert turns into DeepSpeed's universal format per second, in one process (DeepSpeed's
+# Checkpoint bytes reshard.build_conversion turns into DeepSpeed's universal format per second, in one process (DeepSpeed's
 # extraction and merge, then zerotune's checksums): 198 MB in 3.3 s, the tiny model's checkpoint on a 2-core VM
 # (tests/test_resume.py's run). A measurement at tiny scale, scaled linearly: an estimate, not a promise.
 CONVERT_BYTES_PER_S = 6e7
 
 
 def world_size_change(trainable_params: int, world: int, gpus_per_node: int) -> dict:
-    """What resuming a ZeRO-3 checkpoint written by `world` ranks at another world size costs (universal.py).
+    """What resuming a ZeRO-3 checkpoint written by `world` ranks at another world size costs (reshard.py).
     The conversion holds fp32 weights and Adam m and v of every trainable parameter (4 B each, one file per
     parameter and state); DeepSpeed's converter writes all fragments, then the merged files and a copy of rank 0's
     shard, before it removes the fragments (ds_to_universal.py:1318-1353): twice that, plus a shard, at its peak.

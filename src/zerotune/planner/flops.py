@@ -9,7 +9,7 @@ block-causal mask. The prepared data measures the per-document span (data manife
 from __future__ import annotations
 
 from ..config import Recipe
-from .memory import _attention_has_mask
+from .memory import attention_has_mask
 
 
 def attention_kind(attention: str, packing: bool, micro: int) -> str:
@@ -25,7 +25,7 @@ def attention_kind(attention: str, packing: bool, micro: int) -> str:
         return "varlen"
     if attention == "eager":
         return "dense"  # eager always multiplies out all S x S scores and masks them afterwards
-    if _attention_has_mask(attention, packing, micro):
+    if attention_has_mask(attention, packing, micro):
         return "dense"
     return "per_document" if attention == "sdpa_docs" and packing else "causal"
 

@@ -15,18 +15,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..config import Recipe, resolve_path
 from ..errors import UserError
-from ..families import FAMILIES, of_config, public_config
+from ..families import FAMILIES, of_config
 from . import calibration
 
 GiB = 1024 ** 3
-
-
-class ModelConfigError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -75,41 +69,9 @@ class ModelShape:
         return self.kv_heads * self.head_dim
 
 
-def config_source(r: Recipe) -> Path:
-    """Where the model's config.json comes from, without the hub."""
-    if r.model.init_config:
-        return resolve_path(r.model.init_config)
-    name = r.model.name_or_path or ""
-    local = resolve_path(name)
-    if local is not None and (local / "config.json").exists():
-        return local / "config.json"
-    shipped = public_config(name)  # the public config, shipped (families.py): planning needs no download
-    if shipped is not None:
-        return shipped
-    from ..layout import producing_recipe
-
-    made_by = producing_recipe(local) if local is not None else None
-    if made_by:  # another recipe's published model, not trained yet (DPO after SFT): the same shape as its start
-        from ..config import load_recipe
-
-        return config_source(load_recipe(made_by))
-    raise ModelConfigError(
-        f"model.name_or_path '{name}': no local folder with a config.json and no shipped config for it. "
-        "Download the model (or just its config.json) into a folder and point model.name_or_path at it.")
-
-
-def family_of_recipe(r: Recipe):
-    """The recipe's family (families.py) from its config (init_config, a local folder, or a shipped public
-    config); None when the config is not on this machine yet (a hub model before `make fetch`: the worker checks
-    before it loads)."""
-    try:
-        return of_config(config_source(r))
-    except ModelConfigError:
-        return None
-
-
 @functools.lru_cache(maxsize=16)
-def _shape_from_config(path: str) -> ModelShape:
+def shape_of(path: str) -> ModelShape:
+    """The shape of the model a config.json describes, built on the meta device (cached per path)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -131,15 +93,11 @@ def _shape_from_config(path: str) -> ModelShape:
                       tuple(o for o in owned if o))
 
 
-def model_shape(r: Recipe) -> ModelShape:
-    return _shape_from_config(str(config_source(r)))
-
-
 # ---------------------------------------------------------------------------------------------
 # Activations
 # ---------------------------------------------------------------------------------------------
 
-def _attention_has_mask(attention: str, packing: bool, micro: int, padded: bool | None = None) -> bool:
+def attention_has_mask(attention: str, packing: bool, micro: int, padded: bool | None = None) -> bool:
     # Packed rows (position_ids restarting at 0) or padded micro-batches give sdpa/eager a dense
     # (micro, 1, S, S) mask; flash_attention_2 uses varlen sequence boundaries instead, and sdpa_docs
     # (attention.py) splits packed rows by document without a mask: only a padded batch gives it one. Unpacked
@@ -241,7 +199,7 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
 
     # SwiGLU (silu) and Gemma's GeGLU (gelu tanh) save the same: gate, up, act(gate), product; Liger recomputes act.
     mlp = (3 if liger else 4) * e * T * I
-    full_mask = _attention_has_mask(attention, packing, micro, padded)
+    full_mask = attention_has_mask(attention, packing, micro, padded)
     kinds = {"full_attention": attention_bytes(full_mask)}
     if m.sliding_layers:
         if attention == "sdpa_docs":  # the window inside each document: banded block masks, no S x S one
@@ -281,7 +239,7 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
 
 def persistent_mask_bytes(micro: int, seq: int, dtype_bytes: int, attention: str, packing: bool) -> int:
     """The mask transformers builds once per forward and every layer reads (not a saved tensor)."""
-    if not _attention_has_mask(attention, packing, micro):
+    if not attention_has_mask(attention, packing, micro):
         return 0
     return micro * seq * seq * (dtype_bytes if attention == "eager" else 1)  # eager: additive float; sdpa: bool
 

@@ -11,7 +11,7 @@ instant, per GPU (or on the host where host RAM is what runs out), against what 
     finalize      rank 0's CPU process that verifies and publishes the model (host RAM, planner/finalize_ram.py)
     quantize      llama.cpp's convert_hf_to_gguf.py on the published 16-bit model (host RAM)
 
-Before the job, in the data step: `replay` (replay_plan), the base model answering data.replay's prompts in
+Before the job, in the data step: replay (planner/replay.py), the base model answering data.replay's prompts in
 left-padded batches on one device (data/replay.py), its peak and its time.
 
 Outside the training step every phase shares what stays resident between steps: the model states (the same
@@ -27,28 +27,40 @@ from __future__ import annotations
 
 import math
 
+from ..quant_types import QUANT_TYPES
 from . import calibration
 from .finalize_ram import INTERPRETER_BYTES, finalize_host_bytes
-from .memory import (GiB, ModelShape, _attention_has_mask, deepspeed_buffers, persistent_mask_bytes,
-                     prefetched_batches_bytes, sub_group_size)
+from .memory import (
+    GiB,
+    ModelShape,
+    attention_has_mask,
+    deepspeed_buffers,
+    persistent_mask_bytes,
+    prefetched_batches_bytes,
+    sub_group_size,
+)
+from .records import Phase, Phases, Views
 
 MODEL_STATES = "model states (DeepSpeed estimator)"
 
 
-def _phase(parts: dict, capacity: int, limit: str, what: str, fix: str, runs: bool = True) -> dict:
-    peak = sum(parts.values())
-    return {"peak_bytes": peak, "fits": peak <= capacity, "limit": limit, "capacity_bytes": capacity,
-            "what": what, "fix": fix, "runs": runs, "parts": parts}
+def host_phase(parts: dict, capacity: int, what: str, fix: str) -> Phase:
+    return Phase(peak_bytes=sum(parts.values()), capacity_bytes=capacity, limit="host", what=what, fix=fix, runs=True,
+                 parts=parts)
 
 
-def _gpu_phase(tensors: dict, capacity: int, world: int, on_gpu: bool, what: str, fix: str, runs: bool = True):
+def gpu_phase(tensors: dict, capacity: int, world: int, on_gpu: bool, what: str, fix: str, runs: bool = True,
+              views: dict | None = None) -> Phase:
     """A GPU phase: its tensors plus the overheads every GPU phase carries (calibration.overheads), and the
-    allocated / reserved / nvidia-smi views of its peak as for the training step (calibration.views)."""
+    allocated / reserved / nvidia-smi views of its peak as for the training step (calibration.views). views: the
+    training step's, whose tensors carry their overheads already."""
     parts = dict(tensors)
-    extra = calibration.overheads(sum(tensors.values()), world=world, gpu_is_cuda=on_gpu)
-    parts.update(extra)
-    return {**_phase(parts, capacity, "gpu" if on_gpu else "host", what, fix, runs),
-            "views": calibration.views(sum(tensors.values()), extra, on_gpu)}
+    if views is None:
+        extra = calibration.overheads(sum(tensors.values()), world=world, gpu_is_cuda=on_gpu)
+        parts.update(extra)
+        views = calibration.views(sum(tensors.values()), extra, on_gpu)
+    return Phase(peak_bytes=sum(parts.values()), capacity_bytes=capacity, limit="gpu" if on_gpu else "host",
+                 what=what, fix=fix, runs=runs, parts=parts, views=Views(**views))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,8 +231,8 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
                zero: dict | None, world: int, gpus_per_node: int, on_gpu: bool, seq: int, micro: int,
                grad_accum: int, trainable: int, peft: tuple[str, int] | None, gpu_capacity: int,
                host_capacity: int, validation_runs: bool, samples: int, max_new_tokens: int,
-               quant_type: str, preference_chunk: int | None = None) -> dict:
-    """{phase: {peak_bytes, fits, limit, capacity_bytes, what, fix, runs, parts}} for one training job.
+               quant_type: str, preference_chunk: int | None = None) -> Phases:
+    """Every phase's peak for one training job.
     `train` is memory.memory_breakdown's result for the recipe's own seq_len and micro-batch. preference_chunk: a DPO
     job (micro counts rows, 2 per pair): validation and the reference pass forward a micro-batch's padded rows with
     the fused log-probs (preference/loss.py sequence_logps: one chunk's fp32 logits, no sequence x vocabulary ones)."""
@@ -237,20 +249,20 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     gathering = {k: ds[k] for k in ("prefetch bucket", "live gathered params") if k in ds}
     out = {}
 
-    out["train_step"] = {**_phase(train["parts"], gpu_capacity, "gpu" if on_gpu else "host",
+    out["train_step"] = gpu_phase(train["parts"], gpu_capacity, world, on_gpu,
                                   f"forward + backward of {micro} x {seq:,} tokens (the breakdown above)",
-                                  "see the training-step breakdown and suggestions"), "views": train["views"]}
+                                  "see the training-step breakdown and suggestions", views=train["views"])
 
     docs = attention == "sdpa_docs"  # attention.py: per-document SDPA with k/v repeated to all heads
     if preference_chunk is None:
         # validation: validation.nll_sum, one row of <= seq tokens per forward, model.eval(), no grad, use_cache
         # False: packed position_ids give the block-causal mask (masking_utils.py:875-881) as in training.
-        mask = _attention_has_mask(attention, packing, 1)
+        mask = attention_has_mask(attention, packing, 1)
         val = {**resident, **gathering, "eval row (input_ids, labels, position_ids)": 3 * 8 * seq,
                "attention mask": persistent_mask_bytes(1, seq, e, attention, packing),
                **nograd_forward_parts(m, seq, e, mask=(1, seq, seq) if mask else None, liger=liger, on_gpu=on_gpu,
                                       loss=eval_loss_bytes(m, seq, e, fused=liger), repeat_kv=docs)}
-        out["validation"] = _gpu_phase(
+        out["validation"] = gpu_phase(
             val, gpu_capacity, world, on_gpu, f"eval loss, one {seq:,}-token row per forward, no grad",
             ("lower data.seq_len or use more GPUs (plan.gpus_per_node, plan.nodes)" if liger else
              "set train.liger=on (fused loss, no logits) or lower data.seq_len"), runs=validation_runs)
@@ -265,12 +277,12 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
                     "attention mask": persistent_mask_bytes(micro, seq, e, attention, False),
                     **nograd_forward_parts(m, T, e, mask=(micro, seq, seq), liger=liger, on_gpu=on_gpu, loss=fused)}
         before = {k: v for k, v in resident.items() if k != "GA micro-batches (still bound)"}
-        out["reference"] = _gpu_phase(
+        out["reference"] = gpu_phase(
             {**before, **gathering, **pair_fwd}, gpu_capacity, world, on_gpu,
             f"the starting model's log-probs of every pair, {micro} x {seq:,}-token rows ({micro // 2} pair"
             f"{'s' if micro > 2 else ''}) per forward, no grad, once before step 1",
             "lower train.micro_batch_size or data.seq_len")
-        out["validation"] = _gpu_phase(
+        out["validation"] = gpu_phase(
             {**resident, **gathering, **pair_fwd}, gpu_capacity, world, on_gpu,
             f"reward accuracy on the validation pairs, {micro} x {seq:,}-token rows per forward, no grad",
             "lower train.micro_batch_size or data.seq_len", runs=validation_runs)
@@ -282,7 +294,7 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     prefill, decode = generation_parts(m, rows=1, prompt=prompt, new_tokens=max_new_tokens, e=e, liger=liger,
                                        padded=False, on_gpu=on_gpu, repeat_kv=docs)
     gen = prefill if sum(prefill.values()) >= sum(decode.values()) else decode
-    out["samples"] = _gpu_phase(
+    out["samples"] = gpu_phase(
         {**resident, **gathering, **gen}, gpu_capacity, world, on_gpu,
         f"greedy generate, prompt <= {prompt:,} + {max_new_tokens} new tokens, KV cache",
         "set eval.samples=0 or lower data.seq_len", runs=samples > 0)
@@ -293,9 +305,9 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     #   (:5675 param.detach().cpu()); torch.save then writes each rank's shard (engine.py:5549-5564 ->
     #   checkpoint_engine torch.save), copying one storage at a time to the host (torch serialization.py
     #   :1279-1312). No activations: the step is over.
-    out["save"] = _gpu_phase(resident, gpu_capacity, world, on_gpu,
-                             "checkpoint: gather 16-bit weights module by module, write shards",
-                             "add GPUs or offload the optimizer (train.zero.offload_optimizer)")
+    out["save"] = gpu_phase(resident, gpu_capacity, world, on_gpu,
+                            "checkpoint: gather 16-bit weights module by module, write shards",
+                            "add GPUs or offload the optimizer (train.zero.offload_optimizer)")
     ranks = gpus_per_node
     per_rank = math.ceil(trainable / world) if zero is not None else trainable  # ZeRO partitions optimizer states
     cpu_states = train.get("cpu_bytes_per_node", 0) if offload else 0
@@ -309,9 +321,9 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     staged = 0 if offload else ranks * 4 * storage
     host["16-bit weights consolidated on rank 0" if consolidated >= staged else
          "optimizer shard storages staged by torch.save (one per rank)"] = max(consolidated, staged)
-    out["save_host"] = _phase(host, host_capacity, "host",
-                              "checkpoint on the first node: 16-bit state dict on rank 0, then one storage per rank",
-                              "raise plan.cpu_ram_gb (sbatch --mem) or use fewer GPUs per node")
+    out["save_host"] = host_phase(host, host_capacity,
+                                  "checkpoint on the first node: 16-bit state dict on rank 0, then one storage per rank",
+                                  "raise plan.cpu_ram_gb (sbatch --mem) or use fewer GPUs per node")
 
     # resume: transformers integrations/deepspeed.py:680-695 -> engine.load_checkpoint; each rank torch.loads
     # only its own shard to the host (engine.py:4802-4830, map_location='cpu'), then the optimizer's
@@ -323,84 +335,25 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     copies = 0 if offload else 8 * per_rank
     res = {MODEL_STATES: states, **({"reduce bucket": ds["reduce bucket"]} if "reduce bucket" in ds else {}),
            "loaded Adam moments beside the live ones": copies}
-    out["resume"] = _gpu_phase(res, gpu_capacity, world, on_gpu,
-                               "load the optimizer shards: Adam moments copied beside the live ones",
-                               "offload the optimizer (train.zero.offload_optimizer={device: cpu}) or add GPUs")
+    out["resume"] = gpu_phase(res, gpu_capacity, world, on_gpu,
+                              "load the optimizer shards: Adam moments copied beside the live ones",
+                              "offload the optimizer (train.zero.offload_optimizer={device: cpu}) or add GPUs")
     host = {"rank processes (1 GiB each: a floor, measured without CUDA)": ranks * INTERPRETER_BYTES}
     if cpu_states:
         host["offloaded optimizer states (DeepSpeed estimator, pinned)"] = cpu_states
     host["optimizer shards loaded (fp32 master + Adam m, v), every rank"] = ranks * 12 * per_rank
-    out["resume_host"] = _phase(host, host_capacity, "host",
-                                "resume on one node: every rank's 12 B x its trainable parameters in RAM",
-                                "raise plan.cpu_ram_gb (sbatch --mem) or use fewer GPUs per node")
+    out["resume_host"] = host_phase(host, host_capacity,
+                                    "resume on one node: every rank's 12 B x its trainable parameters in RAM",
+                                    "raise plan.cpu_ram_gb (sbatch --mem) or use fewer GPUs per node")
 
     fin = finalize_host_bytes(m, precision, peft)
-    out["finalize"] = _phase(fin["parts"], host_capacity, "host",
-                             "verify" + (" + merge" if peft else "") + " after training, one CPU process",
-                             "request more memory (sbatch --mem) or run finalize on a larger host")
+    out["finalize"] = host_phase(fin["parts"], host_capacity,
+                                 "verify" + (" + merge" if peft else "") + " after training, one CPU process",
+                                 "request more memory (sbatch --mem) or run finalize on a larger host")
     q = quantize_host_bytes(m, precision, quant_type)
-    out["quantize"] = _phase(q["parts"], host_capacity, "host", q["what"],
-                             "run `zerotune quantize` on a host with more RAM")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Self-distilled replay: the base model answers data.replay's prompts (data step, one device)
-# ---------------------------------------------------------------------------------------------
-
-# Share of the GPU's memory bandwidth that HF's eager generate() turns into weight reads per decode step, at
-# eval.batch_size 8 in fp16. An assumption, not measured on a V100. Why 0.6: a decode step reads every weight once
-# through skinny matmuls (cuBLAS streams them at roughly 80-90% of peak) between which Python launches ~40 small
-# kernels per layer (norms, RoPE, cache concat, the padding mask, SDPA, residual adds); on a V100 the 8B's 16 GB
-# of fp16 weights take 17.8 ms at 900 GB/s, longer than those launches, so the gaps cost a fraction, not a
-# multiple. Anchor: lmdeploy#210 measured HF transformers Llama-2-7B at 34 ms per token at batch 1 on an A10
-# (600 GB/s, 13.5 GB of weights: 22.5 ms at full bandwidth), 0.66. On A100/H100 the weights take 5-8 ms and the
-# launches dominate: the estimate is optimistic there (a per-step floor would be the next term to model).
-REPLAY_DECODE_EFFICIENCY = 0.6
-
-
-def replay_plan(m: ModelShape, *, prompts: int, batch: int, prompt_tokens: int, max_new_tokens: int, e: int,
-                on_gpu: bool, capacity: int, bandwidth_gbs: float | None = None, peak_tflops: float | None = None,
-                mfu: float | None = None) -> dict:
-    """Self-distilled replay's generation (data/replay.py answer -> answering.hf_answers): the whole model on one
-    device in the generation dtype (e bytes; not ZeRO-partitioned: load_hf moves the full model there), `batch`
-    left-padded prompts per generate() call, longest first, so the first batch is the widest: `prompt_tokens` (a
-    bound on the longest prompt) x `batch` rows, up to `max_new_tokens` each (generation_parts). One process: CUDA
-    context and fragmentation as for any GPU phase, no NCCL. CPU target (on_gpu False): host RAM (the interpreter
-    and libraries included), time unknown. Not modelled: host RAM while from_pretrained loads the model before
-    moving it to the GPU (about the weights again).
-
-    Time (GPU): per batch, every decode step reads all weights once plus the KV cache it attends over, at
-    bandwidth x REPLAY_DECODE_EFFICIENCY, or computes 2 x params FLOPs per row at peak x mfu, whichever is longer
-    (memory-bound at small batches); max_new_tokens such reads per batch (the prefill's own read is the first), plus
-    the prefill's 2 x params x rows x prompt FLOPs at peak x mfu (an upper bound: it counts lm_head for every
-    token, logits_to_keep=1 computes it for the last). Model load and tokenization are not counted."""
-    rows = max(1, min(batch, prompts))
-    weights = m.n_params * e
-    prefill, decode = generation_parts(m, rows=rows, prompt=prompt_tokens, new_tokens=max_new_tokens, e=e,
-                                       liger=False, padded=rows > 1, on_gpu=on_gpu)
-    tensors = {f"weights ({8 * e}-bit, whole model, one device)": weights,
-               **(prefill if sum(prefill.values()) >= sum(decode.values()) else decode)}
-    if not on_gpu:  # host RAM holds the process itself too, as in the other host phases
-        tensors["interpreter + libraries"] = INTERPRETER_BYTES
-    out = _gpu_phase(tensors, capacity, 1, on_gpu,
-                     f"greedy generate, {rows} x prompt <= {prompt_tokens:,} + {max_new_tokens} new tokens, KV cache",
-                     "lower eval.batch_size (prompts per generate() call) or data.replay.max_new_tokens, or shorten "
-                     "the longest prompts")
-    batches = math.ceil(prompts / batch)
-    out.update(rows=rows, batches=batches, generated_tokens_max=prompts * max_new_tokens, seconds=None)
-    if not (on_gpu and bandwidth_gbs and peak_tflops and mfu):
-        return out
-    kv = 2 * m.layers * m.kv_dim * e
-    flops_s = peak_tflops * 1e12 * mfu
-    read_s = bandwidth_gbs * 1e9 * REPLAY_DECODE_EFFICIENCY
-    steps = sum(max((weights + kv * rows * (prompt_tokens + t)) / read_s, 2 * m.n_params * rows / flops_s)
-                for t in range(max_new_tokens))
-    prefill_s = 2 * m.n_params * rows * prompt_tokens / flops_s
-    out.update(seconds=batches * (steps + prefill_s), decode_s=batches * steps, prefill_s=batches * prefill_s,
-               seconds_per_step=steps / max_new_tokens, mfu=mfu, efficiency=REPLAY_DECODE_EFFICIENCY,
-               memory_bound=weights / read_s >= 2 * m.n_params * rows / flops_s)
-    return out
+    out["quantize"] = host_phase(q["parts"], host_capacity, q["what"],
+                                 "run `zerotune quantize` on a host with more RAM")
+    return Phases(**out)
 
 
 # llama.cpp's quantizer works in slabs of rows below this many bytes (src/llama-quant.cpp:42,
@@ -425,8 +378,6 @@ def quantize_host_bytes(m: ModelShape, precision: str, quant_type: str) -> dict:
     K-quants: llama_model_quantize converts each slab of rows to fp32 and quantizes it into a work buffer
     (src/llama-quant.cpp:1320-1356): (4 + output) B/weight of the largest tensor, at most 8 GiB per slab.
     The largest tensor of a Llama model is the embedding or lm_head (vocab x hidden)."""
-    from ..quant_types import QUANT_TYPES
-
     q = QUANT_TYPES[quant_type.lower()]
     largest = max(m.vocab, m.intermediate) * m.hidden
     parts = {"interpreter + libraries (torch, gguf, tokenizer)": INTERPRETER_BYTES}

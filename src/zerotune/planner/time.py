@@ -467,7 +467,7 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
         **out,
         "validation": {"seconds": per_row * rows if rows else None, "per_row_s": per_row, "rows_per_rank": rows},
         "samples": {"seconds": once + samples * (prefill + new_tokens * token) if samples else 0.0,
-                    "per_token_s": token, "prompts": samples, "new_tokens": new_tokens, "gather_once": gather_once},
+                    "per_token_s": token, "prompts": samples, "new_tokens": new_tokens},
         "save": {"seconds": save_s},
         "resume": {"seconds": checkpoint_bytes / F("storage_read")},
         "finalize": {"seconds": model_bytes / F("storage_read") + probe_tokens * 2 * n_params / F("cpu_fp16_flops")},

@@ -16,7 +16,10 @@ from __future__ import annotations
 from transformers import Trainer
 
 from ..config import Recipe
+from ..layout import layout
+from ..metrics import dist_if_initialized
 from . import loss as lossmod
+from .reference import ReferencePass, cache_key, pair_logps
 
 
 def for_recipe(r: Recipe, pad_id: int) -> Objective | None:
@@ -74,8 +77,6 @@ class Objective:
         """stop: the run's StopOnSignal; a signal during the reference pass stops it (reference.py)."""
         from datasets import load_from_disk
 
-        from .reference import ReferencePass, cache_key
-
         datasets = {"train": run.train_ds}
         if run.paths.data_eval.exists():
             datasets["eval"] = load_from_disk(str(run.paths.data_eval))
@@ -99,11 +100,9 @@ class Objective:
         """The reward statistics since the last log, over all ranks (every rank logs the same step: a collective)."""
         import torch
 
-        from .reference import _dist
-
         s = self._sums.to(device) if self._sums is not None else torch.zeros(7, device=device)
         self._sums = None
-        d = _dist()
+        d = dist_if_initialized()
         if d:
             d.all_reduce(s)
         n, correct, margin, chosen, rejected, lp_c, lp_r = s.tolist()
@@ -116,8 +115,6 @@ class Objective:
         """On the validation pairs: the DPO loss (val_loss, the training loss's units), reward accuracy and margin.
         The caller holds the model in eval mode under no_grad (train/validation.py)."""
         import torch
-
-        from .reference import pair_logps
 
         ds = self._eval_ds()
         if ds is None or len(ds) == 0:
@@ -137,8 +134,6 @@ class Objective:
     def _eval_ds(self):
         if not hasattr(self, "_eval"):
             from datasets import load_from_disk
-
-            from ..layout import layout
 
             path = layout(self.r).data_eval
             self._eval = load_from_disk(str(path)) if path.exists() else None

@@ -21,6 +21,7 @@ Cost: one no-grad forward over every pair's two rows: about a third of an epoch'
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import time
@@ -29,17 +30,15 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .. import manifest as mf
+from ..answering import weights_identity
+from ..checkpoint import last_committed
 from ..errors import UserError
-from ..train.callbacks import StopBeforeTraining, max_over_ranks
+from ..hub import local_folder
+from ..metrics import Progress, dist_if_initialized, max_over_ranks
+from ..stopping import StopBeforeTraining
 
 TABLE = "logps.pt"
 FORMAT = 1  # bump when what the table holds changes
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def pair_logps(model, ds, collate, micro: int, device, label: str | None = None, stop=None) -> "torch.Tensor":  # noqa: F821
@@ -50,9 +49,7 @@ def pair_logps(model, ds, collate, micro: int, device, label: str | None = None,
     killed inside the pass (the next attempt computes it again: the launcher refuses a job whose time cannot hold it)."""
     import torch
 
-    from ..metrics import Progress
-
-    d = _dist()
+    d = dist_if_initialized()
     rank, world = (d.get_rank(), d.get_world_size()) if d else (0, 1)
     n = len(ds)
     table = torch.zeros(n, 2, dtype=torch.float64)
@@ -84,11 +81,8 @@ def pair_logps(model, ds, collate, micro: int, device, label: str | None = None,
 
 def cache_key(data_fingerprint: str, base: Path, choice) -> dict:
     """What the table depends on, and its digest."""
-    from ..answering import _identity
-    from ..hub import local_folder
-
     folder = Path(local_folder(str(base)))
-    inputs = {"format": FORMAT, "data": data_fingerprint, "weights": [str(folder), _identity(folder)],
+    inputs = {"format": FORMAT, "data": data_fingerprint, "weights": [str(folder), weights_identity(folder)],
               "precision": choice.precision, "attention": choice.attention, "liger": choice.liger}
     return {"key": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16], "inputs": inputs}
 
@@ -107,8 +101,6 @@ class ReferencePass(TrainerCallback):
         self.stop = stop
 
     def on_train_begin(self, args, state, control, model=None, **kw):
-        from ..checkpoint import last_committed
-
         say = print if state.is_world_process_zero else (lambda *a, **k: None)
         cached = self._read()
         if max_over_ranks(float(cached is None), args.device) > 0:  # one decision for all ranks: a node-local copy may differ
@@ -140,7 +132,7 @@ class ReferencePass(TrainerCallback):
         self.objective.reference = table
         if state.is_world_process_zero:
             self._write(table, seconds)
-        d = _dist()
+        d = dist_if_initialized()
         if d:
             d.barrier()  # rank 0 has written it before anyone trains (a stop during step 1 resumes from it)
         say(f"finetune: reference log-probs of the starting model: {sum(len(t) for t in table.values()):,} pairs "
@@ -161,10 +153,9 @@ class ReferencePass(TrainerCallback):
     def _write(self, table: dict, seconds: float) -> None:
         import torch
 
-        self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "manifest.json").unlink(missing_ok=True)  # the table is valid once its manifest says so
-        tmp = self.folder / f".{TABLE}.tmp"
-        torch.save(table, tmp)
-        tmp.replace(self.folder / TABLE)
+        buf = io.BytesIO()  # n pairs x 2 float64: small
+        torch.save(table, buf)
+        mf.write_atomic(self.folder / TABLE, buf.getvalue())
         mf.write(self.folder / "manifest.json", {**self.key, "pairs": {s: len(t) for s, t in table.items()},
                                                  "seconds": round(seconds, 2), "sha256": mf.sha256(self.folder / TABLE)})

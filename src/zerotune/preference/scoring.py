@@ -23,8 +23,13 @@ import time
 from pathlib import Path
 
 from .. import manifest as mf
+from ..answering import load_gguf, load_hf, weights_identity
 from ..config import Recipe
-from ..errors import MissingInputError, UserError
+from ..data.cache import load_tokenizer
+from ..data.formats import read_row
+from ..data.sources import read_source
+from ..data.tokenize import ChatRenderer, encode_batch
+from ..errors import BadSample, MissingInputError, UserError
 from ..layout import layout
 
 MODELS = ("base", "hf", "gguf")
@@ -32,11 +37,6 @@ MODELS = ("base", "hf", "gguf")
 
 def load_pairs(r: Recipe, tok) -> list[tuple]:
     """eval.pairs as ((chosen ids, labels), (rejected ids, labels)) per pair, rendered as training renders them."""
-    from ..data.formats import read_row
-    from ..data.sources import read_source
-    from ..data.tokenize import ChatRenderer, encode_batch
-    from ..errors import BadSample
-
     src = r.eval.pairs
     render = ChatRenderer(tok, r.model.tokenizer)
     out = []
@@ -59,7 +59,6 @@ def load_pairs(r: Recipe, tok) -> list[tuple]:
 def _hf_logps(model_dir: Path, pairs: list[tuple]) -> list[tuple[float, float]]:
     import torch
 
-    from ..answering import load_hf
     from .loss import pair_forward
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,8 +80,6 @@ def _hf_logps(model_dir: Path, pairs: list[tuple]) -> list[tuple[float, float]]:
 
 def _gguf_logps(gguf: Path, pairs: list[tuple], n_gpu_layers: int) -> list[tuple[float, float]]:
     import numpy as np
-
-    from ..answering import load_gguf
 
     longest = max(max(len(c[0]), len(r[0])) for c, r in pairs)
     llm = load_gguf(gguf, n_ctx=longest + 8, logits_all=True, n_gpu_layers=n_gpu_layers)
@@ -121,8 +118,6 @@ def score_pairs(r: Recipe) -> dict | None:
     eval.pairs."""
     if r.eval.pairs is None:
         return None
-    from ..answering import _identity
-    from ..data.cache import load_tokenizer
 
     paths = layout(r)
     models = {"base": paths.base, "hf": paths.model, "gguf": paths.gguf}
@@ -135,7 +130,7 @@ def score_pairs(r: Recipe) -> dict | None:
     cache = mf.read(paths.eval / "pairs.json") or {}
     lp, seconds = {}, {}
     for which in MODELS:
-        key = hashlib.sha256(json.dumps([which, str(models[which]), _identity(Path(models[which])),
+        key = hashlib.sha256(json.dumps([which, str(models[which]), weights_identity(Path(models[which])),
                                          digest]).encode()).hexdigest()[:16]
         if key in cache:
             lp[which], seconds[which] = [tuple(x) for x in cache[key]["logps"]], cache[key]["seconds"]

@@ -8,13 +8,7 @@ Three processes, in the order they run, each in its own module:
                  other ranks exit and rank 0 starts finalize
     finalize.py  rank 0, a fresh process: verify the save by reloading it, publish model/ (PEFT: merge)
 
-handoff.py types what they pass each other (probe, run record, stop reason); args.py is the recipe as
-TrainingArguments, shared with bench/bench_train.py.
+handoff.py types what they pass each other (probe, run record, stop record, a worker's user error); args.py is the
+recipe as TrainingArguments, shared with bench/bench_train.py. This package names no function itself: import each
+from its module (`from zerotune.train.launch import launch`).
 """
-
-from .args import training_kwargs
-from .finalize import finalize, job_cpus
-from .launch import before_launch, launch, materialise_base
-from .worker import worker
-
-__all__ = ["before_launch", "finalize", "job_cpus", "launch", "materialise_base", "training_kwargs", "worker"]

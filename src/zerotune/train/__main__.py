@@ -15,6 +15,14 @@ import os
 import sys
 from pathlib import Path
 
+from ..config import load_recipe
+from ..errors import MissingInputError, UserError, report
+from ..layout import RunLayout
+from ..quiet import silence_known_noise
+from .finalize import finalize
+from .handoff import hand_off
+from .torchrun import run_torchrun
+
 ROLES = ("torchrun", "worker", "finalize")
 
 
@@ -23,18 +31,12 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     role, run = argv[0], Path(argv[1])
-    from ..quiet import silence_known_noise
 
     # every role, torchrun's too: the workers import transformers' callbacks (train/callbacks.py), hence peft
     # and bitsandbytes, whose import logs a warning on CPUs with AVX512-BF16 (quiet.py)
     silence_known_noise()
     if role == "torchrun":
-        from .torchrun import run_torchrun
         return run_torchrun(run, argv[2:])
-
-    from ..config import load_recipe
-    from ..errors import MissingInputError, UserError, hand_off, report
-    from ..layout import RunLayout
 
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     paths = RunLayout(run)
@@ -47,7 +49,6 @@ def main(argv: list[str]) -> int:
             from .worker import worker
             worker(r)
         else:
-            from .finalize import finalize
             finalize(r)
     except UserError as e:  # a worker hands it to the launcher (printed once, by local rank 0)
         return hand_off(paths.train, e) if role == "worker" else report(e)

@@ -13,7 +13,7 @@ def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, 
                     load_universal: bool = False) -> dict:
     """The recipe as TrainingArguments fields; bench/bench_train.py builds its Trainer and TRL baselines from
     the same dict, so every contender trains with the same hyper-parameters. load_universal: resuming from a
-    checkpoint written at another world size (universal.py)."""
+    checkpoint written at another world size (reshard.py)."""
     return dict(
         output_dir=str(layout(r).checkpoints),
         per_device_train_batch_size=r.train.micro_batch_size,
@@ -43,18 +43,12 @@ def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, 
         data_seed=r.train.seed,
         remove_unused_columns=False,
         # unpacked: batch documents of similar length so padding stays small (packed rows are all seq_len)
-        train_sampling_strategy="group_by_length" if length_grouped(r) else "random",
+        train_sampling_strategy="group_by_length" if batchmod.length_grouped(r) else "random",
         dataloader_num_workers=0,
         disable_tqdm=True,
         average_tokens_across_devices=True,
         ddp_timeout=DDP_TIMEOUT_S,
     )
-
-
-def length_grouped(r: Recipe) -> bool:
-    """Unpacked SFT rows are batched by length (less padding). Preference pairs are drawn at random: a length-grouped
-    epoch's order depends on grad-accum (universal.check), so a resume at another world size could not keep it."""
-    return not r.data.packing and not r.pairs
 
 
 # Collectives wait this long for a rank that is still working alone (rank 0 writing what the others then read) before

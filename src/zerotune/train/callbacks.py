@@ -1,8 +1,8 @@
 """The workers' Trainer callbacks of the commit protocol and of stopping: CommitCheckpoints commits each saved step
 (checkpoint.py's protocol); EndAtLastStep and StopOnSignal stop training before the epoch loop ends on its own (a
-signal, the job's deadline, nothing left to train; the arithmetic and the exit code: stopping.py). Apart from
-checkpoint.py and stopping.py because transformers' callbacks import peft and bitsandbytes (~7 s), which the
-launcher, the planner and the universal conversion have no use for."""
+signal, the job's deadline, nothing left to train; the arithmetic, the signals, the exceptions and the exit code:
+stopping.py). Apart from checkpoint.py and stopping.py because transformers' callbacks import peft and bitsandbytes
+(~7 s), which the launcher, the planner and the conversion for another world size (reshard.py) have no use for."""
 
 from __future__ import annotations
 
@@ -11,15 +11,27 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from .. import manifest as mf
 from ..checkpoint import CommitMarker, file_sizes, last_committed, rotate
-from ..stopping import DEADLINE_ENV, PID_DIR_ENV, finalize_fits, out_of_time, seconds_needed
+from ..metrics import max_over_ranks
+from ..safety import check_weights, local_weights_finite
+from ..stopping import (
+    DEADLINE_ENV,
+    PID_DIR_ENV,
+    SIGNALS,
+    StopBeforeTraining,
+    TrainingComplete,
+    finalize_fits,
+    out_of_time,
+    seconds_needed,
+)
 
 
 class CommitCheckpoints(TrainerCallback):
     """Replaces HF's save_total_limit rotation (give the Trainer save_total_limit=None).
 
     bp: the run's batch.BatchPlan, written into each marker: a resume at another world size keeps the global
-    batch in tokens and re-derives grad-accum, and checks against it (universal.check)."""
+    batch in tokens and re-derives grad-accum, and checks against it (reshard.refuse_unresumable)."""
 
     def __init__(self, keep: int | None, bp=None):
         self.keep = keep
@@ -37,8 +49,6 @@ class CommitCheckpoints(TrainerCallback):
     def on_save(self, args, state, control, model=None, **kw):
         import torch
         import torch.distributed as dist
-
-        from ..safety import check_weights, local_weights_finite
 
         self.saving = None  # the files are written; what can fail now is the commit check
         ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -67,10 +77,6 @@ class CommitCheckpoints(TrainerCallback):
         return control
 
 
-class TrainingComplete(Exception):
-    """Resumed from the last step's checkpoint: nothing is left to train."""
-
-
 class EndAtLastStep(TrainerCallback):
     """A job resumed from the last step's checkpoint (its validation failed, or it stopped there to be requeued)
     must train nothing. The Trainer restores global_step only after on_train_begin, skips the trained batches
@@ -81,22 +87,6 @@ class EndAtLastStep(TrainerCallback):
     def on_step_begin(self, args, state, control, **kw):
         if state.global_step >= state.max_steps:
             raise TrainingComplete(f"resumed at the last step ({state.global_step} of {state.max_steps})")
-
-
-def max_over_ranks(value: float, device) -> float:
-    """The largest `value` over every rank (this rank's alone outside a process group): how ranks agree on a stop."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(value)
-    if dist.is_available() and dist.is_initialized():
-        t = t.to(device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-class StopBeforeTraining(Exception):
-    """A stop was requested before the first optimizer step of this attempt: there is nothing new to commit."""
 
 
 class StopOnSignal(TrainerCallback):
@@ -116,7 +106,7 @@ class StopOnSignal(TrainerCallback):
         self.requested: str | None = None
         self.reason: str | None = None  # why the run stopped: a signal name or "deadline"
         self.stopped_at: int | None = None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in SIGNALS:
             signal.signal(sig, self._handle)
         deadline = os.environ.get(DEADLINE_ENV, "")
         self.deadline = float(deadline) if deadline else None
@@ -131,10 +121,7 @@ class StopOnSignal(TrainerCallback):
         if pid_dir:  # only after the handler is installed: a registered worker survives the signal
             node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
             f = Path(pid_dir) / f"{node}.{os.environ.get('LOCAL_RANK', '0')}.pid"
-            f.parent.mkdir(parents=True, exist_ok=True)
-            tmp = f.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(f"{os.getpid()}\n")
-            os.replace(tmp, f)  # the batch script never reads half a pid
+            mf.write_atomic(f, f"{os.getpid()}\n")  # the batch script never reads half a pid
 
     def _handle(self, signum, frame):
         import signal

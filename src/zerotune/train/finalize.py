@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 
-from .. import manifest as mf
 from .. import adapters
+from .. import manifest as mf
 from ..config import Recipe
 from ..data.cache import load_tokenizer
 from ..layout import layout
+from ..verify import verify_saved_model
 from .handoff import Probe, RunRecord
 
 
@@ -29,7 +30,6 @@ def finalize(r: Recipe) -> dict:
     import torch
 
     from ..metrics import plot_curves
-    from ..verify import verify_saved_model
 
     torch.set_num_threads(job_cpus())  # CPU forwards over the reloaded model: every core the job was given
     paths = layout(r)

@@ -2,20 +2,26 @@
 
     workers (rank 0) -> finalize   Probe      model.tmp/zerotune_probe.pt   the reference logits to verify the save
     workers (rank 0) -> finalize   RunRecord  train/run.json                world size, device, batch, steps, time
-    workers (rank 0) -> launcher   Stopped    train/stopped.json            stopped early: at which step, why,
+    workers (rank 0) -> launcher   StopRecord train/stopped.json            stopped early: at which step, why,
                         and sbatch                                          whether a checkpoint was committed
+    workers -> launcher            hand_off   train/error*.json             a worker's user error (read by
+                                                                            errors.read_handoff)
 
-A user error on a worker travels by errors.py's own handoff (train/error*.json). A committed checkpoint carries
-its own record, written by rank 0 and read by the next attempt: checkpoint.py's CommitMarker
-(checkpoint-N/zerotune_commit.json), and universal.py's Conversion for its world-size conversion.
+A committed checkpoint carries its own record, written by rank 0 and read by the next attempt: checkpoint.py's
+CommitMarker (checkpoint-N/zerotune_commit.json), and reshard.py's Conversion for its conversion to another world
+size.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import manifest as mf
+from ..errors import EXIT_CODE, HANDOFF, debug, read_handoff, report
 
 PROBE_FILE = "zerotune_probe.pt"
 
@@ -72,7 +78,7 @@ class RunRecord(_JsonFile):
 
 
 @dataclass
-class Stopped(_JsonFile):
+class StopRecord(_JsonFile):
     """The workers stopped before the last step: a signal or the job's deadline (committed=True: a checkpoint
     was committed at `step`), or a signal before the first step (committed=False: nothing new saved)."""
     step: int
@@ -87,12 +93,24 @@ class Outcome:
     and slurm/finetune.sbatch (slurm/job.py) read it the same way and each says it in its own words (only
     sbatch requeues)."""
     rc: int
-    stopped: Stopped | None  # stopped early on a signal or the deadline: run again to resume
+    stopped: StopRecord | None  # stopped early on a signal or the deadline: run again to resume
     user_error: dict | None  # a worker's user error (errors.hand_off), printed by local rank 0 unless "printed" is False
 
     @classmethod
     def read(cls, run, rc: int) -> Outcome:
-        from ..errors import read_handoff
-
-        stopped = Stopped.read(run.stopped) if rc != 0 else None
+        stopped = StopRecord.read(run.stopped) if rc != 0 else None
         return cls(rc, stopped, read_handoff(run.train) if rc != 0 and not stopped else None)
+
+
+def hand_off(train_dir: Path, e: BaseException) -> int:
+    """A worker's user error: local rank 0 prints it and writes the handoff; other ranks only write theirs
+    (errors.read_handoff reads them back)."""
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    name = HANDOFF if local == 0 else f"error.rank{os.environ.get('RANK', local)}.json"
+    mf.write_atomic(Path(train_dir) / name, json.dumps({"message": str(e), "type": type(e).__name__,
+                                                        "rank": os.environ.get("RANK"), "printed": local == 0}))
+    if local == 0:
+        return report(e)
+    if debug():
+        traceback.print_exception(e)
+    return EXIT_CODE

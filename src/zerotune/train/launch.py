@@ -12,13 +12,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .. import errors
+from .. import errors, reshard
 from .. import manifest as mf
-from ..answering import eval_sets, load_rows
+from ..answering import load_rows
+from ..checkpoint import last_committed
 from ..config import Recipe, resolve_path
 from ..data.cache import load_tokenizer, require_prepared
+from ..hardware import require_kernels
+from ..hub import require_weights
 from ..layout import layout, write_resolved_recipe
+from ..planner.compute import compute_plan
+from ..planner.gate import disk_preflight, preflight
+from ..planner.records import Plan
 from ..ports import free_port
+from ..stopping import REQUEUE_EXIT, Stopped, seconds_needed
 from .handoff import Outcome
 
 
@@ -53,34 +60,27 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
                   convert_by: float | None = None) -> None:
     """What is checked and built before any worker starts, and the recipe every process of the run reads.
     world: the job's process count; a committed checkpoint written at another one is converted here
-    (universal.py), once, before any worker waits on it (None: the caller launches no training).
+    (reshard.py), once, before any worker waits on it (None: the caller launches no training).
     plan: the launch's planner.compute.Plan when the caller has it already (slurm/job.py prints it first); computed
     here otherwise, once, and handed to the memory gate, the disk gate and the conversion.
     convert_by: the unix time a conversion must end by (slurm/job.py: the job's time-limit warning); None: no limit.
-    A stop while converting raises interrupt.Stopped, with nothing half-built left (universal.convert)."""
-    from .. import universal
-    from ..checkpoint import last_committed
-    from ..hardware import require_kernels
-    from ..planner.compute import compute_plan
-    from ..planner.gate import disk_preflight, preflight
-    from ..hub import require_weights
-
+    A stop while converting raises stopping.Stopped, with nothing half-built left (reshard.build_conversion)."""
     require_kernels()  # a torch wheel without this GPU's architecture fails every CUDA op, after minutes of loading
     require_weights(r)  # on this node, offline: the workers never download (`zerotune fetch` does, beforehand)
     require_prepared(r)  # fail here, in seconds, not after the launch
-    for es in eval_sets(r):  # the end of training answers the first set's prompts (validation._sample_prompts), and
+    for es in r.eval_sets():  # the end of training answers the first set's prompts (validation._sample_prompts), and
         load_rows(es)        # check scores them all: a missing file or a bad row fails now, not after the last step
     if world is not None:  # a resume that cannot keep the global batch: its own message, before the plan's
         ckpt = last_committed(layout(r).checkpoints, quiet=True)
-        saved = universal.needed(ckpt, world)
+        saved = reshard.saved_world_if_other(ckpt, world)
         if saved is not None:
-            universal.check(r, ckpt, saved, world)
+            reshard.refuse_unresumable(r, ckpt, saved, world)
     plan = plan or compute_plan(r)
     if not skip_preflight:
         preflight(plan, r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)
         disk_preflight(plan, r, r.out)
     if world is not None:
-        universal.prepare(r, world, free_needed=plan.disk["needed_free_bytes"], convert_by=convert_by)
+        reshard.convert_for(r, world, free_needed=plan.disk.needed_free_bytes, convert_by=convert_by)
     _refuse_reference_pass_without_time(r, plan, convert_by)
     materialise_base(r)
     write_resolved_recipe(layout(r).train, r)  # layout(r).run_recipe: what the workers and finalize read
@@ -89,16 +89,14 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
     errors.clear_handoffs(layout(r).train)
 
 
-def _refuse_reference_pass_without_time(r: Recipe, plan, convert_by: float | None) -> None:
+def _refuse_reference_pass_without_time(r: Recipe, plan: Plan, convert_by: float | None) -> None:
     """A DPO run's first attempt computes the reference log-probs before its first step (preference/reference.py):
     one pass that a time-limit warning stops with nothing kept, so a job whose time before the warning cannot hold
-    the planned pass would requeue into the same stop forever. Refused up front, as a conversion is (universal.py)."""
+    the planned pass would requeue into the same stop forever. Refused up front, as a conversion is (reshard.py)."""
     import time
 
-    from ..checkpoint import last_committed
-    from ..stopping import seconds_needed
-
-    seconds = ((plan.phases.get("reference") or {}).get("time") or {}).get("seconds")
+    reference = plan.phases.reference
+    seconds = reference.time.seconds if reference and reference.time else None
     if (convert_by is None or not r.pairs or seconds is None or last_committed(layout(r).checkpoints, quiet=True)
             or (layout(r).reference / "manifest.json").exists()):
         return
@@ -116,14 +114,11 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
     """Start the distributed job; returns its exit code."""
     import torch
 
-    from ..stopping import REQUEUE_EXIT
-    from ..interrupt import Stopped
-
     n_gpu = torch.cuda.device_count()
     nproc = n_gpu if n_gpu > 0 else r.train.cpu_procs
     try:
         before_launch(r, nproc, skip_preflight)
-    except Stopped as e:  # SIGUSR1/SIGTERM while converting a checkpoint (universal.convert)
+    except Stopped as e:  # SIGUSR1/SIGTERM while converting a checkpoint (reshard.build_conversion)
         print(f"finetune: stopped on {e.signal}, {e.detail}; run the same command again to resume.", flush=True)
         return REQUEUE_EXIT
     env = dict(os.environ)
@@ -141,8 +136,6 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
 
 def _say_outcome(r: Recipe, o: Outcome) -> int:
     """What the workers' exit means, in one line: stopped (REQUEUE_EXIT: run again to resume), a user error (2), a failure."""
-    from ..stopping import REQUEUE_EXIT
-
     stopped, rc = o.stopped, o.rc
     if stopped:
         if stopped.committed:

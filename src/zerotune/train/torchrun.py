@@ -13,14 +13,13 @@ from pathlib import Path
 
 from ..errors import EXIT_CODE, read_handoff
 from ..layout import RunLayout
+from ..stopping import REQUEUE_EXIT
 
 
 def run_torchrun(run_dir: Path, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
-
-    from ..stopping import REQUEUE_EXIT
 
     run = RunLayout(Path(run_dir))
 

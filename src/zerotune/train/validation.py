@@ -35,15 +35,18 @@ import time
 
 from transformers import TrainerCallback
 
+from .. import faults
 from .. import manifest as mf
+from ..answering import hf_generate, load_rows
+from ..chat_template import stop_ids
 from ..config import Recipe
+from ..data.cache import load_tokenizer
+from ..families import answer_text, of_config
+from ..hub import local_folder
 from ..layout import layout
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
+from ..metrics import dist_if_initialized
+from ..planner.records import Plan
+from ..scorers import score
 
 
 def _row_tensors(row: dict, device) -> dict:
@@ -81,7 +84,7 @@ def distributed_val_loss(model, ds, device, liger: bool = False) -> tuple[float,
     """Mean NLL per label token over the whole eval split, computed across all ranks: (loss, label tokens)."""
     import torch
 
-    d = _dist()
+    d = dist_if_initialized()
     rank, world = (d.get_rank(), d.get_world_size()) if d else (0, 1)
     dummy = {**ds[0], "labels": [-100] * len(ds[0]["labels"])}
     rows = [ds[i] if i is not None else dummy for i in shard(len(ds), rank, world)]
@@ -131,10 +134,11 @@ class EvalDuringTraining(TrainerCallback):
             return self.longest_s, "measured"
         if not self.eval_path.exists() and self.r.eval.samples <= 0:
             return 0.0, "(nothing to validate or sample)"
-        plan = mf.read(layout(self.r).run_plan) or {}
-        phases = plan.get("phases") or {}
-        running = [phases[n] for n in ("validation", "samples") if (phases.get(n) or {}).get("runs", True)]
-        seconds = [(ph.get("time") or {}).get("seconds") for ph in running]
+        plan = Plan.read(layout(self.r).run_plan)
+        if plan is None:
+            return None
+        running = [ph for ph in (plan.phases.validation, plan.phases.samples) if ph.runs]
+        seconds = [ph.time.seconds if ph.time else None for ph in running]
         if not running or any(s is None for s in seconds):
             return None
         return sum(seconds), "planned"
@@ -190,8 +194,6 @@ class EvalDuringTraining(TrainerCallback):
         self._evaluate(args, state, model, step)
 
     def _evaluate(self, args, state, model, step: int) -> None:
-        from .. import faults
-
         t0 = time.perf_counter()
         was_training = model.training
         # generate() turns the KV cache back on in the model's config; training and the final probe rely on it
@@ -245,12 +247,8 @@ class EvalDuringTraining(TrainerCallback):
         import torch
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        from ..answering import hf_generate
-        from ..families import answer_text, of_config
-        from ..scorers import score
-
         family = of_config(model.config)  # Qwen3: scored after its thinking block, as check and eval score
-        sharded = bool(_dist()) and is_deepspeed_zero3_enabled()
+        sharded = bool(dist_if_initialized()) and is_deepspeed_zero3_enabled()
         engine = self.trainer.model_wrapped if self.trainer is not None else None
         with whole_model(engine, device) if sharded else contextlib.nullcontext(False) as gathered:
             preds = hf_generate(model, tok, stop, rows, es.max_new_tokens, batch_size=1, device=device,
@@ -316,8 +314,6 @@ def room_to_gather(module, device) -> bool:
     import torch
     import torch.distributed as dist
 
-    from .. import faults
-
     whole = sum(p.ds_numel * p.ds_tensor.element_size() for p in module.parameters())
     if torch.cuda.is_available():
         # the driver's free memory does not count what PyTorch's allocator holds cached from the training step (at
@@ -343,12 +339,7 @@ def _available_ram() -> float:
 
 def _sample_prompts(r: Recipe):
     """(rows, eval set, tokenizer, stop ids) for the in-training samples: the first eval set's first rows."""
-    from ..answering import eval_sets, load_rows
-    from ..chat_template import stop_ids
-    from ..data.cache import load_tokenizer
-    from ..hub import local_folder
-
-    sets = eval_sets(r)
+    sets = r.eval_sets()
     if not sets:
         return [], None, None, None
     es = sets[0]

@@ -16,15 +16,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from .. import adapters, attention, ds_config, families, faults, hardware, quiet, reshard
 from .. import batch as batchmod
-from .. import attention, families, hardware, adapters, quiet
-from ..preference import objective as preference
+from ..checkpoint import CommitMarker, describe_failure, discard_after, last_committed, step_of
 from ..config import Recipe
 from ..data.cache import load_tokenizer, require_prepared
 from ..layout import RunLayout, layout
+from ..metrics import StepMetrics, flops_per_token
+from ..preference import objective as preference
+from ..safety import SafetyChecks, scaler_gave_up
+from ..stopping import REQUEUE_EXIT, StopBeforeTraining, TrainingComplete
 from ..verify import model_dtype, probe_inputs
 from .args import DDP_TIMEOUT_S, collate_packed, make_collate_padded, total_steps, training_arguments
-from .handoff import Probe, RunRecord, Stopped
+from .callbacks import CommitCheckpoints, EndAtLastStep, StopOnSignal
+from .finalize import job_cpus
+from .handoff import Probe, RunRecord, StopRecord
+from .reshard_load import CheckUniversalLoad
+from .validation import EvalDuringTraining
 
 _DIST_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"}
@@ -37,8 +45,6 @@ def worker(r: Recipe) -> None:
     checks the model, and the GPU and host memory of the training states is released first (a QLoRA
     finalize reloads the 4-bit base on the same GPU; an optimizer offload pins host RAM)."""
     import weakref
-
-    from .callbacks import StopOnSignal
 
     stop = StopOnSignal()  # first: a SIGUSR1 while loading must be remembered, not kill the process
     run = setup(r)
@@ -73,7 +79,7 @@ class Run:
     steps: int
     args: object  # transformers.TrainingArguments
     collate: object
-    universal: Path | None = None  # resuming a checkpoint of another world size: its conversion (universal.py)
+    universal: Path | None = None  # resuming a checkpoint of another world size: its conversion (reshard.py)
     saved_world: int | None = None  # ... and the world size that wrote it
     family: families.Family | None = None  # the model's family (families.py): Liger patch, precision limits
     objective: preference.Objective | None = None  # preference tuning (DPO): collate, loss, Trainer, reference pass
@@ -99,16 +105,13 @@ def setup(r: Recipe) -> Run:
     import torch
     from datasets import load_from_disk
 
-    from .. import universal
-    from ..checkpoint import CommitMarker, last_committed
-
     paths = layout(r)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     resume = last_committed(paths.checkpoints, quiet=True)
-    saved, folder = universal.needed(resume, world), None  # another world size wrote it: before anything is loaded
+    saved, folder = reshard.saved_world_if_other(resume, world), None  # another world size wrote it: before loading
     if saved is not None:
-        universal.check(r, resume, saved, world)
-        folder = universal.require(resume, saved, world)  # built by the launcher (train/launch.py before_launch)
+        reshard.refuse_unresumable(r, resume, saved, world)
+        folder = reshard.require_conversion(resume, saved, world)  # built by the launcher (train/launch.py before_launch)
     # DeepSpeed 0.19 calls this torch API on every ZeRO-3 reduce: hundreds of identical lines per run bury the log
     warnings.filterwarnings("ignore", message=r".*reduce_scatter_tensor.* is deprecated", category=FutureWarning)
     if r.train.report_to == "wandb" and not os.environ.get("WANDB_API_KEY"):
@@ -214,13 +217,6 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     committed checkpoints, fault injection for tests. Returns (trainer, safety, metrics, commit callbacks)."""
     from transformers import Trainer
 
-    from .. import ds_config, faults
-    from .callbacks import CommitCheckpoints
-    from .validation import EvalDuringTraining
-    from ..metrics import StepMetrics, flops_per_token
-    from ..safety import SafetyChecks
-    from .callbacks import EndAtLastStep
-
     cfg = model.config
     tokens = run.data_manifest["tokens"]
     safety = SafetyChecks()
@@ -242,7 +238,6 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     safety.attach(trainer)
     evaluation.attach(trainer)
     if run.universal is not None:  # after DeepSpeed loaded the conversion: restore what it leaves out, and check
-        from .universal_load import CheckUniversalLoad
         trainer.add_callback(CheckUniversalLoad(trainer, run.universal, run.saved_world))
     if run.choice.liger and run.choice.precision == "fp16":  # Liger's fp16 lm_head gradient can overflow unscaled
         safety.watch_lm_head(model)
@@ -256,8 +251,6 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
 
 def choose_resume(r: Recipe, run: Run, metrics):
     """The newest committed checkpoint (None: from the start); rank 0 drops later checkpoints and metric rows."""
-    from ..checkpoint import discard_after, last_committed, step_of
-
     resume = last_committed(run.paths.checkpoints, quiet=run.rank != 0)
     run.barrier()  # every rank has chosen before rank 0 removes anything
     if run.rank == 0:
@@ -278,17 +271,12 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
     REQUEUE_EXIT after writing stopped.json (a committed checkpoint, or none before the first step)."""
     import contextlib
 
-    from .. import universal
-    from ..checkpoint import describe_failure, last_committed, step_of
-    from ..stopping import REQUEUE_EXIT
-    from .callbacks import StopBeforeTraining, TrainingComplete
-
     if run.universal is not None and run.universal.parent != resume:  # setup and choose_resume read the same files
         raise RuntimeError(f"resuming {resume}, but setup prepared {run.universal}")
     t0 = time.time()
     try:
         # another world size: the Trainer and DeepSpeed resume from the conversion, a complete resume folder
-        with universal.glob_safe(run.universal or resume) if resume else contextlib.nullcontext(None) as path:
+        with reshard.glob_safe(run.universal or resume) if resume else contextlib.nullcontext(None) as path:
             trainer.train(resume_from_checkpoint=str(path) if path else None)
     except TrainingComplete as e:  # the weights are loaded: what is left is the end of training, then finalize
         run.say(f"{e}: nothing left to train")
@@ -296,13 +284,11 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
     except StopBeforeTraining as e:
         run.say(f"{e}: stopping without a new checkpoint; a rerun resumes from {resume or 'the beginning'}")
         if run.rank == 0:
-            Stopped(step_of(resume) if resume else 0, stop.requested, str(resume) if resume else None,
-                    committed=False).write(run.paths.stopped)
+            StopRecord(step_of(resume) if resume else 0, stop.requested, str(resume) if resume else None,
+                       committed=False).write(run.paths.stopped)
         run.barrier()
         sys.exit(REQUEUE_EXIT)
     except Exception as e:
-        from ..safety import scaler_gave_up
-
         # every rank says it: the rank that failed first may be the only one left to print anything
         print(f"[rank {run.rank}] " + describe_failure(e, run.paths.checkpoints, commit.saving), file=sys.stderr,
               flush=True)
@@ -312,8 +298,8 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
         raise
     if stop.stopped_at is not None:
         if run.rank == 0:
-            Stopped(stop.stopped_at, stop.reason, str(last_committed(run.paths.checkpoints)),
-                    committed=True).write(run.paths.stopped)
+            StopRecord(stop.stopped_at, stop.reason, str(last_committed(run.paths.checkpoints)),
+                       committed=True).write(run.paths.stopped)
         run.barrier()
         sys.exit(REQUEUE_EXIT)
     return time.time() - t0
@@ -415,8 +401,6 @@ def _malloc_trim() -> None:
 def start_finalize(run_dir) -> None:
     """Verify and publish in a fresh process: reloading here would run ZeRO-3 collectives, and the same step
     must run whether torchrun was started by `zerotune finetune` or by sbatch."""
-    from .finalize import job_cpus
-
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV}
     env["OMP_NUM_THREADS"] = str(job_cpus())  # the launcher set 1 per training rank; finalize is alone now
     subprocess.check_call([sys.executable, "-m", "zerotune.train", "finalize", str(run_dir)], env=env)

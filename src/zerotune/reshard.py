@@ -1,4 +1,4 @@
-"""Resume at another world size: the committed checkpoint converted once to DeepSpeed's universal format.
+"""Resume on another number of GPUs: a committed ZeRO-3 checkpoint converted once to DeepSpeed's universal format.
 
 ZeRO-3 partitions the fp32 weights and Adam's m and v by rank, and DeepSpeed loads such a checkpoint only at the
 world size that wrote it (deepspeed 0.19.8 runtime/engine.py:4748-4753). Its universal format stores every
@@ -17,13 +17,19 @@ worker starts: one process, and no collective waiting on it with a timeout.
                                      it came from
 
 Rotation removes it with its checkpoint (checkpoint.rotate deletes the whole folder).
+
+    saved_world_if_other   the world size that wrote the checkpoint, when it is not this run's (else None)
+    refuse_unresumable     one message when the new world size cannot keep the global batch or the data order
+    convert_for            the launcher: reuse or build the conversion for this run's world size
+    build_conversion       DeepSpeed's converter, checked, published by rename; a stop (stopping.py) leaves nothing
+    require_conversion     every worker: the folder the launcher built, or how to get it
+The workers' check of what DeepSpeed loaded from it is train/reshard_load.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import os
 import re
 import shutil
 import time
@@ -31,11 +37,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import manifest as mf
+from . import stopping
+from .batch import BatchError, derive, length_grouped, rows_per_sample
 from .checkpoint import CommitMarker, last_committed, saved_world_size
 from .errors import UserError
+from .layout import layout
+from .planner.disk import CONVERT_BYTES_PER_S, tree_bytes
 
-DIR = "universal"
-MARKER = "zerotune_universal.json"
+CONVERTED_DIR = "universal"
+CONVERTED_MARKER = "zerotune_universal.json"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # what the ZeRO-3 universal loader reads per parameter (stage3.py:3665)
 # The Trainer's own files that a resume reads from the folder it is given (transformers 5.23 trainer.py:1697
 # trainer_state.json, :3893-3897 scheduler.pt under DeepSpeed with the Trainer's scheduler, :3847-3858 rng_state*.pth)
@@ -45,8 +55,9 @@ CHUNK = 1 << 22  # elements per checksum chunk: bounded memory on an 8B embeddin
 
 @dataclass
 class Conversion:
-    """universal/zerotune_universal.json, written last by convert(): read by problem() (the files still match),
-    prepare() (what it says about the conversion) and CheckUniversalLoad (the checksums the load must equal)."""
+    """universal/zerotune_universal.json, written last by build_conversion(): read by conversion_problem() (the files
+    still match), convert_for() (what it says about the conversion) and train/reshard_load.py's CheckUniversalLoad
+    (the checksums the load must equal)."""
     source: str  # the global_stepN folder converted
     source_world_size: int
     step: int
@@ -57,11 +68,11 @@ class Conversion:
     bytes: int  # the conversion's size on disk
 
     def write(self, folder: Path) -> None:
-        mf.write(Path(folder) / MARKER, asdict(self))
+        mf.write(Path(folder) / CONVERTED_MARKER, asdict(self))
 
     @classmethod
     def read(cls, folder: Path) -> Conversion | None:
-        d = mf.read(Path(folder) / MARKER)
+        d = mf.read(Path(folder) / CONVERTED_MARKER)
         return cls(**d) if d else None
 
 
@@ -69,37 +80,37 @@ def procs(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
 
 
-def staging(ckpt: Path) -> Path:
-    return Path(ckpt) / f"{DIR}.tmp"
+def staging_folder(ckpt: Path) -> Path:
+    return Path(ckpt) / f"{CONVERTED_DIR}.tmp"
 
 
-def view(ckpt: Path) -> Path:
-    return Path(ckpt) / DIR
+def converted_folder(ckpt: Path) -> Path:
+    return Path(ckpt) / CONVERTED_DIR
 
 
 def tag_of(ckpt: Path) -> str:
     return (Path(ckpt) / "latest").read_text().strip()  # DeepSpeed's own pointer to global_stepN (engine.py:4428)
 
 
-def problem(ckpt: Path) -> str | None:
+def conversion_problem(ckpt: Path) -> str | None:
     """Why checkpoint-N has no usable universal conversion, or None when it has one whose files match its marker."""
-    marker = Conversion.read(view(ckpt))
+    marker = Conversion.read(converted_folder(ckpt))
     if marker is None:
         return "not converted"
     for rel, size in marker.files.items():
-        f = view(ckpt) / rel
+        f = converted_folder(ckpt) / rel
         if not f.is_file() or f.stat().st_size != size:
             return f"{rel} is missing or truncated"
     return None
 
 
-def needed(ckpt: Path | None, world: int) -> int | None:
+def saved_world_if_other(ckpt: Path | None, world: int) -> int | None:
     """The world size that wrote `ckpt` when it differs from `world` (a conversion is needed), else None."""
     saved = saved_world_size(ckpt) if ckpt is not None else None
     return saved if saved is not None and saved != world else None
 
 
-def check_batch(r, ckpt: Path) -> None:
+def refuse_other_batch(r, ckpt: Path) -> None:
     """Refuse, in one message, to resume with another global batch, at any world size: the Trainer skips
     step x grad-accum micro-batches per rank, which is the checkpoint's data position only at its own batch."""
     marker = CommitMarker.read(ckpt)
@@ -111,12 +122,9 @@ def check_batch(r, ckpt: Path) -> None:
             f"checkpoint's batch. Resume with train.global_batch_tokens={was}, or move {Path(ckpt).parent} away.")
 
 
-def check(r, ckpt: Path, saved: int, world: int) -> None:
+def refuse_unresumable(r, ckpt: Path, saved: int, world: int) -> None:
     """Refuse, in one message, a world-size change that cannot keep the global batch or the data order."""
-    from .batch import BatchError, derive, rows_per_sample
-    from .train.args import length_grouped
-
-    check_batch(r, ckpt)
+    refuse_other_batch(r, ckpt)
     if length_grouped(r):
         raise UserError(
             f"{ckpt} was written by {procs(saved)} and this run has {world}: with data.packing=false the Trainer "
@@ -138,51 +146,47 @@ def check(r, ckpt: Path, saved: int, world: int) -> None:
             f"all: {', '.join(map(str, ok))}).") from None
 
 
-def prepare(r, world: int, free_needed: int = 0, convert_by: float | None = None) -> Path | None:
+def convert_for(r, world: int, free_needed: int = 0, convert_by: float | None = None) -> Path | None:
     """In the launcher, before any worker: when the newest committed checkpoint was written at another world size,
     make sure it has a universal conversion (build it once, or reuse it) and return its folder; else None.
     free_needed: what the rest of the run still needs on output_dir's file system after the conversion (the
-    launch's plan, Plan.disk["needed_free_bytes"]). convert_by: when a conversion must have ended (convert)."""
-    from .layout import layout
-
+    launch's plan, Plan.disk.needed_free_bytes). convert_by: when a conversion must have ended (build_conversion)."""
     ckpt = last_committed(layout(r).checkpoints, quiet=True)
     if ckpt is not None:
-        check_batch(r, ckpt)  # at the same world size too
-    saved = needed(ckpt, world)
+        refuse_other_batch(r, ckpt)  # at the same world size too
+    saved = saved_world_if_other(ckpt, world)
     if saved is None:
         return None
-    check(r, ckpt, saved, world)
-    half = staging(ckpt)
+    refuse_unresumable(r, ckpt, saved, world)
+    half = staging_folder(ckpt)
     if half.exists():
         shutil.rmtree(half)
         print(f"finetune: removed a half-built universal conversion of {ckpt.name} (an earlier attempt stopped "
               "while converting)", flush=True)
-    why = problem(ckpt)
+    why = conversion_problem(ckpt)
     if why is None:
         print(f"finetune: {ckpt.name} was written by {procs(saved)} and this run has {world}: resuming from its "
-              f"universal conversion ({view(ckpt)}, built earlier)", flush=True)
+              f"universal conversion ({converted_folder(ckpt)}, built earlier)", flush=True)
     else:
         if why != "not converted":
             print(f"finetune: the universal conversion of {ckpt.name} is unusable ({why}): converting again", flush=True)
         _refuse_without_time(ckpt, saved, convert_by)  # before saying it converts
         print(f"finetune: {ckpt.name} was written by {procs(saved)} and this run has {world}: converting it once "
-              f"to DeepSpeed's universal format in {view(ckpt)} (the original is only read)", flush=True)
-        m = convert(ckpt, saved, free_needed=free_needed, convert_by=convert_by)
+              f"to DeepSpeed's universal format in {converted_folder(ckpt)} (the original is only read)", flush=True)
+        m = build_conversion(ckpt, saved, free_needed=free_needed, convert_by=convert_by)
         print(f"finetune: converted in {m.elapsed_s:.1f} s: {m.bytes / 1e9:.2f} GB beside {ckpt.name} (fp32 "
               f"weights, Adam m and v of {sum(p['numel'] for p in m.params.values()):,} parameters; "
               f"{m.peak_bytes / 1e9:.2f} GB at the peak of the conversion)", flush=True)
-    _rng_files(ckpt, view(ckpt), saved, world)
-    return view(ckpt)
+    _rng_files(ckpt, converted_folder(ckpt), saved, world)
+    return converted_folder(ckpt)
 
 
-def convert(ckpt: Path, saved_world: int, free_needed: int = 0, convert_by: float | None = None) -> Conversion:
+def build_conversion(ckpt: Path, saved_world: int, free_needed: int = 0, convert_by: float | None = None) -> Conversion:
     """Build checkpoint-N/universal/ beside the original and publish it by rename; returns its marker.
     convert_by: the unix time a conversion must have ended by (slurm/job.py: the job's time-limit warning, whose
     USR1 stops it), or None; a conversion estimated not to end by then is refused before it starts.
-    A stop (SIGUSR1, SIGTERM: interrupt.py) while converting removes the half-built folder and raises Stopped."""
-    from . import interrupt
-    from .planner.disk import CONVERT_BYTES_PER_S, tree_bytes
-
+    A stop (SIGUSR1, SIGTERM: stopping.stoppable) while converting removes the half-built folder and raises
+    stopping.Stopped."""
     ckpt = Path(ckpt)
     tag = tag_of(ckpt)
     src = ckpt / tag
@@ -194,40 +198,40 @@ def convert(ckpt: Path, saved_world: int, free_needed: int = 0, convert_by: floa
     # beside them, and removes the temp folder last (ds_to_universal.py:1318-1353); the result stays held until
     # this checkpoint rotates away, while the run goes on needing what disk_preflight counted.
     peak = 2 * size + size // saved_world
-    shutil.rmtree(staging(ckpt), ignore_errors=True)  # a half-built earlier attempt is not space this one needs
+    shutil.rmtree(staging_folder(ckpt), ignore_errors=True)  # a half-built earlier attempt is not space this one needs
     free = shutil.disk_usage(ckpt).free
     if free < max(peak, size + free_needed):
         raise UserError(f"{ckpt.parent} has {free / 2**30:.1f} GiB free; converting {ckpt.name} to another world size "
                         f"needs {peak / 2**30:.1f} GiB while it runs and keeps {size / 2**30:.1f} GiB beside it, "
                         f"and the run needs {free_needed / 2**30:.1f} GiB more after it. Free space, or resume with "
                         f"{procs(saved_world)}.")
-    if interrupt.asked():  # a stop came during the preflight, before this: do not begin
-        raise interrupt.Stopped(interrupt.asked(), f"before converting {ckpt.name} to DeepSpeed's universal format "
-                                                 f"(estimated ~{_minutes(estimate)}); {ckpt.name} is intact")
-    tmp = staging(ckpt)
+    if stopping.asked():  # a stop came during the preflight, before this: do not begin
+        raise stopping.Stopped(stopping.asked(), f"before converting {ckpt.name} to DeepSpeed's universal format "
+                                                f"(estimated ~{_minutes(estimate)}); {ckpt.name} is intact")
+    tmp = staging_folder(ckpt)
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     try:
-        with interrupt.stoppable():
+        with stopping.stoppable():
             try:
                 fields = _build(ckpt, tag, shards, tmp, saved_world, peak, t0)
             except BaseException:
-                interrupt.hold()  # a second stop must not cut the removal short
+                stopping.hold()  # a second stop must not cut the removal short
                 shutil.rmtree(tmp, ignore_errors=True)  # nothing half-built is left for the next attempt
                 raise
-    except interrupt.Stopped as e:
-        raise interrupt.Stopped(e.signal, f"{time.time() - t0:.0f} s into converting {ckpt.name} to DeepSpeed's "
-                                         f"universal format (estimated ~{_minutes(estimate)}): the half-built "
-                                         f"conversion was removed and {ckpt.name} is intact") from None
+    except stopping.Stopped as e:
+        raise stopping.Stopped(e.signal, f"{time.time() - t0:.0f} s into converting {ckpt.name} to DeepSpeed's "
+                                        f"universal format (estimated ~{_minutes(estimate)}): the half-built "
+                                        f"conversion was removed and {ckpt.name} is intact") from None
     marker = Conversion(**fields, bytes=tree_bytes(tmp))
     marker.write(tmp)
-    mf.publish(tmp, view(ckpt))  # fsync, then rename: a reader sees no conversion or a whole one
+    mf.publish(tmp, converted_folder(ckpt))  # fsync, then rename: a reader sees no conversion or a whole one
     return marker
 
 
 def _build(ckpt: Path, tag: str, shards: list[Path], tmp: Path, saved_world: int, peak: int, t0: float) -> dict:
     """DeepSpeed's conversion into tmp/, checked against the original shards; returns the Conversion record's
-    fields but its size (convert measures it once the build is whole)."""
+    fields but its size (build_conversion measures it once the build is whole)."""
     from deepspeed.checkpoint import ds_to_universal
 
     from . import faults
@@ -312,14 +316,11 @@ def _minutes(seconds: float) -> str:
 def _refuse_without_time(ckpt: Path, saved_world: int, convert_by: float | None) -> None:
     """Refuse a conversion estimated not to end before `convert_by` (None: no limit): started, the warning would
     stop it and throw it away, and a requeued job with the same time limit would do the same again."""
-    from .stopping import seconds_needed
-    from .planner.disk import CONVERT_BYTES_PER_S
-
     if convert_by is None:
         return
     size = sum(f.stat().st_size for f in (Path(ckpt) / tag_of(ckpt)).glob("*zero_pp_rank_*_optim_states.pt"))
     estimate = size / CONVERT_BYTES_PER_S
-    need = seconds_needed(estimate, 0)  # the workers' rule for a step: 10% and a minute in hand
+    need = stopping.seconds_needed(estimate, 0)  # the workers' rule for a step: 10% and a minute in hand
     left = convert_by - time.time()
     if need <= left:
         return
@@ -441,16 +442,14 @@ def _rng_files(ckpt: Path, folder: Path, saved: int, world: int) -> None:
     for rank in range(world):
         src, dst = ckpt / name(rank % saved, saved), folder / name(rank, world)
         if src.is_file() and not dst.is_file():
-            tmp = dst.with_name(f".{dst.name}.{os.getpid()}")
-            shutil.copy2(src, tmp)
-            os.replace(tmp, dst)
+            mf.write_atomic(dst, src.read_bytes())  # a few KB of RNG state each
 
 
-def require(ckpt: Path, saved: int, world: int) -> Path:
+def require_conversion(ckpt: Path, saved: int, world: int) -> Path:
     """In every worker: the conversion the launcher built, or one message saying how to get it."""
-    why = problem(ckpt)
+    why = conversion_problem(ckpt)
     if why is not None:
         raise UserError(f"{ckpt} was written by {procs(saved)} and this run has {world}, and its universal "
                         f"conversion is {why}: start training with `zerotune finetune` or slurm/finetune.sbatch, "
                         f"which convert it first, or resume with {procs(saved)}.")
-    return view(ckpt)
+    return converted_folder(ckpt)

@@ -1,4 +1,4 @@
-"""universal.convert's guards around DeepSpeed's converter, without a real conversion (tests/test_resume.py and
+"""reshard.build_conversion's guards around DeepSpeed's converter, without a real conversion (tests/test_resume.py and
 tests/test_slurm_cluster.py run real ones): a path DeepSpeed's globs and regexes would misread, a stop while
 converting, and a job without the time to convert."""
 
@@ -11,17 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from zerotune import interrupt, universal
+from zerotune import reshard, stopping
 from zerotune.errors import UserError
 
 
 @pytest.fixture(autouse=True)
 def no_stop_asked():
-    """A stop recorded by one test must not leak into the next (interrupt keeps it per process)."""
-    interrupt._asked.clear()
-    before = {s: signal.getsignal(s) for s in interrupt.SIGNALS}
+    """A stop recorded by one test must not leak into the next (stopping keeps it per process)."""
+    stopping._asked.clear()
+    before = {s: signal.getsignal(s) for s in stopping.SIGNALS}
     yield
-    interrupt._asked.clear()
+    stopping._asked.clear()
     for s, h in before.items():
         signal.signal(s, h)
 
@@ -48,7 +48,7 @@ def test_deepspeeds_merge_reads_a_run_folder_with_regex_characters_through_the_a
     """ds_to_universal.merge_zero3_slices (the ZeRO-3 merge step) globs and regex-matches the unescaped path
     (ds_to_universal.py:251, 260): under `run (copy)+[1]` the glob reads [1] as a class and finds no fragment;
     under `run (copy)+` it finds them and the regex, reading (copy)+ as a group, cannot parse their names.
-    Through universal's alias it merges the real fragments."""
+    Through reshard's alias it merges the real fragments."""
     import torch
     from deepspeed.checkpoint.ds_to_universal import merge_zero3_slices
 
@@ -65,8 +65,8 @@ def test_deepspeeds_merge_reads_a_run_folder_with_regex_characters_through_the_a
 
     src = ckpt / "global_step8"
     src.mkdir(parents=True)
-    with universal._regex_safe_alias(src, out) as (src_alias, out_alias):
-        assert universal._SAFE_PATH.fullmatch(str(out_alias)) and src_alias.resolve() == src.resolve()
+    with reshard._regex_safe_alias(src, out) as (src_alias, out_alias):
+        assert reshard._SAFE_PATH.fullmatch(str(out_alias)) and src_alias.resolve() == src.resolve()
         merge_zero3_slices(1, str(out_alias / "global_step8" / "zero"), str(out_alias / "global_step8" / "tmp"), param)
     for k, state in enumerate(states):
         merged = torch.load(out / "global_step8" / "zero" / param / f"{state}.pt", weights_only=False)
@@ -94,24 +94,24 @@ def test_a_stop_while_converting_removes_the_half_built_conversion(tmp_path, mon
         seen["not stopped"] = True
 
     monkeypatch.setattr(ds_to_universal, "main", main)
-    signal.signal(signal.SIGUSR1, interrupt.record)  # as slurm/job.py preflight has it
+    signal.signal(signal.SIGUSR1, stopping.record)  # as slurm/job.py preflight has it
     t0 = time.time()
-    with pytest.raises(interrupt.Stopped) as e:
-        universal.convert(ckpt, 2)
+    with pytest.raises(stopping.Stopped) as e:
+        reshard.build_conversion(ckpt, 2)
     assert time.time() - t0 < 10 and seen == {"staging": True}
     assert e.value.signal == "SIGUSR1"
     assert "into converting checkpoint-8" in e.value.detail and "checkpoint-8 is intact" in e.value.detail
     assert not (ckpt / "universal.tmp").exists() and not (ckpt / "universal").exists()
     assert _files(ckpt) == before
-    assert signal.getsignal(signal.SIGUSR1) is interrupt.record
+    assert signal.getsignal(signal.SIGUSR1) is stopping.record
 
     # a stop already recorded in this process (the one above, or one during the rest of the preflight): no start
     def never(args):
         raise AssertionError("the conversion started after a stop")
 
     monkeypatch.setattr(ds_to_universal, "main", never)
-    with pytest.raises(interrupt.Stopped) as e:
-        universal.convert(ckpt, 2)
+    with pytest.raises(stopping.Stopped) as e:
+        reshard.build_conversion(ckpt, 2)
     assert e.value.detail.startswith("before converting checkpoint-8") and _files(ckpt) == before
 
 
@@ -123,7 +123,7 @@ def test_a_conversion_that_cannot_end_before_the_warning_is_not_started(tmp_path
     ckpt = _checkpoint(tmp_path / "checkpoints", shard_bytes=30 * 10**9)
     before = sorted(p.name for p in ckpt.rglob("*"))
     with pytest.raises(UserError) as e:
-        universal.convert(ckpt, 2, convert_by=time.time() + 600)
+        reshard.build_conversion(ckpt, 2, convert_by=time.time() + 600)
     msg = str(e.value)
     assert CONVERT_BYTES_PER_S == 6e7, "the figures below assume it"
     assert "converting it for this job takes ~17 min (an estimate: 60.00 GB of optimizer state at 60 MB/s" in msg
@@ -133,25 +133,25 @@ def test_a_conversion_that_cannot_end_before_the_warning_is_not_started(tmp_path
 
     # with the time: the rule lets it start (10% and a minute in hand, as for a training step)
     estimate = 60e9 / CONVERT_BYTES_PER_S
-    universal._refuse_without_time(ckpt, 2, time.time() + estimate * 1.1 + 61)
+    reshard._refuse_without_time(ckpt, 2, time.time() + estimate * 1.1 + 61)
     with pytest.raises(UserError):
-        universal._refuse_without_time(ckpt, 2, time.time() + estimate * 1.1 + 59)
-    universal._refuse_without_time(ckpt, 2, None)  # no time limit
+        reshard._refuse_without_time(ckpt, 2, time.time() + estimate * 1.1 + 59)
+    reshard._refuse_without_time(ckpt, 2, None)  # no time limit
 
 
 def test_a_run_folder_with_glob_characters_resumes_through_an_alias(tmp_path):
     """transformers finds the DeepSpeed checkpoint to resume with an unescaped glob of the checkpoint's path
     (integrations/deepspeed.py deepspeed_load_checkpoint): in `run [1]` it finds nothing and the run starts over.
-    The worker resumes through universal.glob_safe's alias, where the same glob finds it."""
+    The worker resumes through reshard.glob_safe's alias, where the same glob finds it."""
     import glob
 
     ckpt = tmp_path / "run (copy)+[1]" / "checkpoints" / "checkpoint-8"
     (ckpt / "global_step8").mkdir(parents=True)
     assert glob.glob(f"{ckpt}/global_step*") == []  # what transformers would see without the alias
-    with universal.glob_safe(ckpt) as path:
+    with reshard.glob_safe(ckpt) as path:
         assert [Path(p).name for p in glob.glob(f"{path}/global_step*")] == ["global_step8"]
     assert not path.exists() and ckpt.exists()  # the alias is gone, the checkpoint untouched
     plain = tmp_path / "run" / "checkpoint-1"
     plain.mkdir(parents=True)
-    with universal.glob_safe(plain) as path:
+    with reshard.glob_safe(plain) as path:
         assert path == plain

@@ -1,5 +1,6 @@
-"""The worker's side of a universal conversion (universal.py, run by the launcher): after DeepSpeed loaded the
-conversion, put back what its loader gets wrong and check what it loaded, on every rank, before the first step."""
+"""The worker's side of a checkpoint's conversion for another world size (reshard.py, run by the launcher): after
+DeepSpeed loaded the conversion, put back what its loader gets wrong and check what it loaded, on every rank, before
+the first step."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from ..checkpoint import CommitMarker
-from ..universal import STATES, Conversion, close_enough, moments, procs
+from ..reshard import STATES, Conversion, close_enough, moments, procs
 
 
 class UniversalLoadError(RuntimeError):

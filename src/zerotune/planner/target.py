@@ -1,0 +1,201 @@
+"""The recipe on its target cluster, resolved once: the model's shape, the GPU and how many, hardware.choose's
+decision, the resolved ZeRO settings, the capacity per GPU and the prepared data's document lengths. Every part
+of the plan (compute.py, options.py, nodes.py) asks a `Target` for memory and step time at some rows and world
+size, instead of threading a dozen arguments through each call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .. import batch as batchmod
+from .. import ds_config, hardware
+from .. import manifest as mf
+from ..config import Recipe
+from ..errors import UserError
+from ..layout import layout
+from . import time as timemodel
+from .flops import flops_per_step
+from ..hub import ModelConfigError, config_source
+from .memory import GiB, ModelShape, memory_breakdown, peft_trainable_params, shape_of
+from .records import FixedParts, MicroStep, StepTime, Terms
+
+
+class PlanError(UserError, RuntimeError):
+    """The recipe is predicted not to fit its target; the message says why and what to change."""
+
+
+SAVE_BYTES_PER_S = 1e9  # assumed checkpoint write rate to shared storage, all ranks together: measure your own
+
+
+@dataclass(frozen=True)
+class Target:
+    r: Recipe
+    shape: ModelShape
+    gpu: str                 # a key of hardware.GPUS
+    g: hardware.GPU
+    gpus_per_node: int
+    nodes: int
+    choice: hardware.Choice
+    zero: dict | None        # the resolved zero_optimization (ds_config.build); None without DeepSpeed
+    accum_bytes: int | None  # DeepSpeed's gradient accumulation dtype (None: the model's)
+    capacity: int            # bytes per GPU (a CPU target: the node's RAM per process)
+    cluster: str | None      # a key of planner/time.py CLUSTERS: the links between the GPUs
+    docs: dict | None        # the prepared data's document lengths (None before `make data`)
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.g.capability is not None
+
+    @property
+    def zero_stage(self) -> int:
+        return int((self.zero or {}).get("stage", 0) or 0)
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return ((self.zero or {}).get("offload_optimizer") or {}).get("device", "none") in ("cpu", "nvme")
+
+    @property
+    def hpz(self) -> int:
+        return int((self.zero or {}).get("zero_hpz_partition_size", 1) or 1)
+
+    @property
+    def peft(self) -> tuple[str, int] | None:
+        """(method, trainable parameters), or None for full fine-tuning."""
+        p = self.r.peft
+        if p.method == "none":
+            return None
+        return p.method, peft_trainable_params(self.shape, p.r, p.target_modules, p.modules_to_save)
+
+    @property
+    def trainable(self) -> int:
+        return self.peft[1] if self.peft else self.shape.n_params
+
+    @property
+    def mfu(self) -> float | None:
+        return self.r.plan.mfu or self.g.default_mfu
+
+    @property
+    def timed(self) -> bool:
+        """Whether the time model has figures for this target (a CPU target has none)."""
+        return bool(self.mfu and self.g.peak_tflops and self.cluster)
+
+    def rows(self, micro: int) -> int:
+        """A micro-batch's rows, the planner's unit: a DPO pair's chosen and rejected rows count two."""
+        return micro * batchmod.rows_per_sample(self.r)
+
+    def grad_accum(self, seq: int, rows: int, world: int | None = None) -> int:
+        return batchmod.grad_accum(self.r.train.global_batch_tokens, seq, rows, world or self.world)
+
+    def memory(self, seq: int, rows: int, *, choice: hardware.Choice | None = None, zero: dict | None = None,
+               gpus_per_node: int | None = None, nodes: int | None = None) -> dict:
+        """The training step's per-GPU memory (memory.memory_breakdown) at `rows` x `seq`; the keywords try a
+        switch (options.suggestions) or another cluster size (nodes.py)."""
+        r, ch = self.r, choice or self.choice
+        zero = self.zero if zero is None else zero
+        gpn, nodes = gpus_per_node or self.gpus_per_node, nodes or self.nodes
+        return memory_breakdown(
+            self.shape, seq=seq, micro=rows, precision=ch.precision, attention=ch.attention, liger=ch.liger,
+            checkpointing=r.train.gradient_checkpointing, packing=r.data.packing, zero=zero, gpus_per_node=gpn,
+            nodes=nodes, gpu_is_cuda=self.on_gpu, peft=self.peft, capability=self.g.capability,
+            lm_head_trainable=r.peft.method == "none" or "lm_head" in r.peft.modules_to_save,
+            grad_accum_bytes=self.accum_bytes, grad_accum=self.grad_accum(seq, rows, gpn * nodes),
+            preference_chunk=r.preference.chunk_tokens if r.pairs else None)
+
+    def step_time(self, seq: int, rows: int, world: int | None = None, *, hpz: int | None = None,
+                  cluster: str | None = None) -> StepTime:
+        """FLOPs per optimizer step and, where the time model has figures, the seconds it takes: compute at the
+        assumed MFU (the kernels' efficiency alone) + the communication it cannot hide + the optimizer step + fixed
+        costs (planner/time.py)."""
+        world = world or self.world
+        f = flops_per_step(self.r, self.shape, seq, rows, self.choice.attention, self.docs)
+        flops = StepTime(flops_per_step=f["flops_per_step"], flops_dense=f["flops_dense"],
+                         flops_recompute=f["flops_recompute"], flops_attention=f["flops_attention"],
+                         attention_kind=f["attention_kind"], attention_span=f["attention_span"],
+                         attention_span_from=f["attention_span_from"], mfu=self.mfu)
+        if not self.timed:
+            return flops
+        c = timemodel.CLUSTERS[cluster or self.cluster]
+        job = self._job(f["flops_per_step"], seq, rows, world, hpz)
+        # fp32 (Gemma 3 on V100): its own peak
+        t = timemodel.step_time(job, c, hardware.peak_tflops(self.g, self.choice.precision), self.mfu)
+        return dataclasses.replace(
+            flops, seconds_per_step=t["seconds_per_step"], grad_accum=job.grad_accum, terms=Terms(**t["terms"]),
+            dominant=t["dominant"], per_micro_step=MicroStep(**t["per_micro_step"]),
+            step_communication_s=t["step_communication_s"],
+            communication_over_compute=t["communication_over_compute"], crossover_tokens=t["crossover_tokens"],
+            optimizer_how=t["optimizer_how"], fixed_parts=FixedParts(**t["fixed_parts"]), overlap=t["overlap"],
+            cluster=t["cluster"], cluster_describe=c.describe, inter_node_gbs=t["inter_node_gbs"],
+            intra_node_gbs=t["intra_node_gbs"])
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """One checkpoint: the fp32 master weights and Adam m, v of the trainable parameters (12 B each, split over
+        ranks) plus the Trainer's own save of the model (the gathered 16-bit weights, or the adapter)."""
+        return (12 + hardware.dtype_bytes(self.choice.precision)) * self.trainable
+
+    @property
+    def save_s(self) -> float:
+        return self.checkpoint_bytes / SAVE_BYTES_PER_S
+
+    def _job(self, flops: float, seq: int, rows: int, world: int, hpz: int | None) -> timemodel.Job:
+        gpn = self.gpus_per_node
+        ga = self.grad_accum(seq, rows, world)
+        numels, bucket = self.shape.zero3_modules(self.zero)
+        return timemodel.Job(n_params=self.shape.n_params, trainable=self.trainable,
+                             flops_micro=flops / (world * ga),
+                             forward_share=0.25 if self.r.train.gradient_checkpointing else 1 / 3,
+                             tokens_micro=seq * rows, grad_accum=ga, gpus_per_node=gpn, nodes=world // gpn,
+                             dtype_bytes=hardware.dtype_bytes(self.choice.precision), zero_stage=self.zero_stage,
+                             offload_optimizer=self.offload_optimizer, hpz=self.hpz if hpz is None else hpz,
+                             save_s=self.save_s, save_steps=self.r.train.save_steps,
+                             module_numels=numels, reduce_bucket=bucket)
+
+
+def resolve(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = None, nodes: int | None = None,
+            cluster: str | None = None) -> Target:
+    """The recipe on its `plan:` cluster, or on the one the arguments name."""
+    name = gpu or r.plan.gpu
+    if name not in hardware.GPUS:
+        raise PlanError(f"plan.gpu '{name}' unknown; choose one of {sorted(hardware.GPUS)}.")
+    if cluster is not None and cluster not in timemodel.CLUSTERS:
+        raise PlanError(f"cluster '{cluster}' unknown; choose one of {sorted(timemodel.CLUSTERS)}.")
+    g = hardware.GPUS[name]
+    gpn = gpus_per_node or r.plan.gpus_per_node
+    try:
+        shape = model_shape(r)
+    except ModelConfigError as e:
+        raise PlanError(str(e)) from None
+    # Planning for the cluster, not this machine: assume flash-attn is installed where it can be.
+    fa2 = g.capability is not None and g.capability >= (8, 0)
+    choice = hardware.choose(g, r.train.precision, r.train.attention, r.train.liger, fa2_installed=fa2,
+                             family=shape.fam)  # the family's own precision limits (families.py)
+    ds = ds_config.build(r)
+    zero = ds.get("zero_optimization") if ds else None
+    accum = hardware.PRECISION_BYTES.get(((ds or {}).get("data_types") or {}).get("grad_accum_dtype"))
+    if g.capability is None:  # CPU target: every process shares the node's RAM
+        capacity = int(r.plan.cpu_ram_gb * 1e9 / gpn)
+    else:
+        capacity = int(g.usable_gib * GiB)  # the total PyTorch reports (hardware.GPU.usable_gib)
+    return Target(r=r, shape=shape, gpu=name, g=g, gpus_per_node=gpn, nodes=nodes or r.plan.nodes, choice=choice,
+                  zero=zero, accum_bytes=accum, capacity=capacity, cluster=cluster or g.cluster,
+                  docs=doc_lengths(r))
+
+
+def model_shape(r: Recipe) -> ModelShape:
+    """The recipe's model, from its config.json wherever it is (hub.config_source), without loading weights."""
+    return shape_of(str(config_source(r)))
+
+
+def doc_lengths(r: Recipe) -> dict | None:
+    """The prepared data's document lengths (p50, p99, ...), its attention span and the seq_len it was packed at."""
+    man = mf.read(layout(r).data_manifest)
+    if not man:
+        return None
+    return {**(man.get("doc_length") or {}), "attention_span": man.get("attention_span"),
+            "seq_len": (man.get("packing") or {}).get("seq_len")}
