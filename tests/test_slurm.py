@@ -283,4 +283,6 @@ def test_the_preflight_prints_only_its_line_on_stdout(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == [f"2 CPU {tmp_path}"], proc.stdout
-    assert "[INFO] Running in WANDB offline mode" in proc.stderr
+    # since issue 51 the preflight no longer imports transformers' trainer integrations, whose import printed the
+    # line; wherever a library prints, it is not on stdout
+    assert "[INFO]" not in proc.stdout
