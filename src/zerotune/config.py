@@ -102,6 +102,7 @@ class TrainCfg:
     save_total_limit: int = _f(2, "Committed checkpoints to keep; 0 = all", NON_NEGATIVE)
     report_to: Literal["none", "wandb"] = _f("none", "Experiment tracker (wandb runs offline without an API key)")
     cpu_procs: int = _f(2, "Processes to launch when no GPU is visible (CPU runs only)", AT_LEAST_1)
+    sequence_parallel: int = _f(1, "Ranks that share one row (DeepSpeed Ulysses): each holds seq_len / N tokens of it and N of every N-th attention head; data parallelism is world / N. 1 = off; N divides the GPUs of a node and the attention heads (docs/training.md#long-rows)", AT_LEAST_1)
 
 
 @dataclass
@@ -386,9 +387,55 @@ def _validate(r: Recipe, where: str) -> None:
         if not all(isinstance(m, str) for m in r.peft.modules_to_save):
             raise RecipeError(f"{where}: peft.modules_to_save must be a list of module names.")
     _validate_preference(r, where)
+    _validate_sequence_parallel(r, where)
     if r.peft.method == "qlora" and r.train.deepspeed:
         raise RecipeError(f"{where}: peft.method=qlora trains a 4-bit bitsandbytes base, which DeepSpeed ZeRO cannot "
                           f"shard; set train.deepspeed: null (use peft.method=lora for ZeRO-3).")
+
+
+def _validate_sequence_parallel(r: Recipe, where: str) -> None:
+    """What sharding a row over train.sequence_parallel ranks needs from the rest of the recipe. The heads and the
+    world size are checked where they are known (the model's config: planner/target.py; the launch: train/launch.py)."""
+    n, t = r.train.sequence_parallel, r.train
+    if n == 1:
+        return
+    if not t.deepspeed:
+        raise RecipeError(f"{where}: train.sequence_parallel={n} shards rows with DeepSpeed's Ulysses attention, which "
+                          f"needs DeepSpeed: set train.deepspeed (configs/deepspeed/zero3.json) or "
+                          f"train.sequence_parallel: 1.")
+    if r.plan.gpus_per_node % n:
+        raise RecipeError(f"{where}: train.sequence_parallel={n} does not divide plan.gpus_per_node="
+                          f"{r.plan.gpus_per_node}: a row's ranks exchange its heads four times per layer, so they stay "
+                          f"inside one node (NVLink); choose a divisor of {r.plan.gpus_per_node}.")
+    if r.data.seq_len % n:
+        raise RecipeError(f"{where}: data.seq_len={r.data.seq_len} is not a multiple of train.sequence_parallel={n}: "
+                          f"each rank holds an equal slice of the row; use a multiple of {n}.")
+    if r.pairs:
+        raise RecipeError(f"{where}: train.sequence_parallel={n} with preference.method={r.preference.method} is not "
+                          f"supported: the pair loss sums each completion's log-probability over its whole row "
+                          f"(preference/loss.py), and a sharded row gives each rank a part of it; set "
+                          f"train.sequence_parallel: 1.")
+    if t.attention == "eager" or (r.data.packing and t.attention == "sdpa"):
+        raise RecipeError(f"{where}: train.sequence_parallel={n} with train.attention={t.attention}"
+                          f"{' on packed rows' if t.attention == 'sdpa' else ''}: DeepSpeed's Ulysses attention drops "
+                          f"the dense mask {t.attention} relies on (ulysses_sp.py uattn_wrapper), so "
+                          f"{'documents would attend to each other' if t.attention == 'sdpa' else 'it refuses eager'}; "
+                          f"use train.attention=sdpa_docs (or auto), which reads the boundaries from the position ids.")
+    if r.peft.method == "qlora":
+        raise RecipeError(f"{where}: train.sequence_parallel={n} needs DeepSpeed, which peft.method=qlora cannot use; "
+                          f"use peft.method=lora or train.sequence_parallel: 1.")
+
+
+def check_sequence_parallel_heads(r: Recipe, heads: int, kv_heads: int) -> None:
+    """train.sequence_parallel against the model's heads (known from its config.json, not the recipe): each rank
+    attends with heads / N query heads, and K/V heads are split the same way or copied (DeepSpeed's Ulysses:
+    kv_heads divides N, or N divides kv_heads; ulysses_sp.py UlyssesSPAttentionHF.__init__)."""
+    n = r.train.sequence_parallel
+    if n > 1 and (heads % n or (kv_heads % n and n % kv_heads)):
+        ok = [d for d in range(2, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        raise RecipeError(f"{r.name}: train.sequence_parallel={n} does not split this model's {heads} attention heads "
+                          f"({kv_heads} key/value heads) evenly over {n} ranks; choose "
+                          + (" or ".join(map(str, ok)) if ok else "1 (no divisor works)") + ".")
 
 
 def _validate_preference(r: Recipe, where: str) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from . import manifest as mf
 from . import stopping
-from .batch import BatchError, derive, length_grouped, rows_per_sample
+from .batch import BatchError, length_grouped, of_recipe, rows_per_sample
 from .checkpoint import CommitMarker, last_committed, saved_world_size
 from .errors import UserError
 from .layout import layout
@@ -133,10 +133,11 @@ def refuse_unresumable(r, ckpt: Path, saved: int, world: int) -> None:
             f"resumed run would repeat some sequences and skip others. Resume with {procs(saved)} "
             f"(train.cpu_procs={saved} on CPU).")
     try:
-        derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world, rows_per_sample(r))
+        of_recipe(r, world)
     except BatchError:
         per_step = r.train.global_batch_tokens // (r.data.seq_len * r.train.micro_batch_size * rows_per_sample(r))
-        ok = [w for w in range(1, per_step + 1) if per_step % w == 0]
+        sp = r.train.sequence_parallel  # a group of sp ranks shares each row: the world is sp x a divisor of per_step
+        ok = [d * sp for d in range(1, per_step + 1) if per_step % d == 0]
         near = sorted(ok, key=lambda w: (abs(w - world), w))[:2]
         raise UserError(
             f"{ckpt} was written by {procs(saved)} with a global batch of {r.train.global_batch_tokens:,} tokens "

@@ -85,8 +85,7 @@ def model_summary(t: Target) -> ModelSummary:
 def recipe_batch(t: Target, peak: int) -> RecipeBatch:
     r = t.r
     try:
-        bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, t.world,
-                             batchmod.rows_per_sample(r))
+        bp = batchmod.of_recipe(r, t.world)
         ga, error = bp.grad_accum, None
     except batchmod.BatchError as e:
         ga, error = None, str(e)
@@ -107,8 +106,7 @@ def data_steps(t: Target, batch: RecipeBatch) -> DataSteps:
     man = mf.read(layout(r).data_manifest)
     if not man or "sequences" not in man or batch.grad_accum is None:
         return DataSteps()
-    bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, t.world,
-                         batchmod.rows_per_sample(r))
+    bp = batchmod.of_recipe(r, t.world)
     n = man["sequences"]["train"]
     return DataSteps(train_sequences=n, eval_sequences=man["sequences"].get("eval"),
                      sequences_per_step=bp.sequences_per_step, steps_per_epoch=bp.steps_per_epoch(n),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .. import batch as batchmod
 from .. import ds_config, hardware
 from .. import manifest as mf
-from ..config import Recipe
+from ..config import Recipe, check_sequence_parallel_heads
 from ..errors import UserError
 from ..layout import layout
 from . import time as timemodel
@@ -171,6 +171,7 @@ def resolve(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = None,
         shape = model_shape(r)
     except ModelConfigError as e:
         raise PlanError(str(e)) from None
+    check_sequence_parallel_heads(r, shape.heads, shape.kv_heads)
     # Planning for the cluster, not this machine: assume flash-attn is installed where it can be.
     fa2 = g.capability is not None and g.capability >= (8, 0)
     choice = hardware.choose(g, r.train.precision, r.train.attention, r.train.liger, fa2_installed=fa2,

@@ -7,6 +7,7 @@ from .. import ds_config, hardware
 from ..config import Recipe
 from ..errors import UserError
 from ..layout import layout
+from .sequence_parallel import parallelism_config
 
 
 def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int,
@@ -48,6 +49,8 @@ def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, 
         disable_tqdm=True,
         average_tokens_across_devices=True,
         ddp_timeout=DDP_TIMEOUT_S,
+        # train.sequence_parallel > 1: DeepSpeed's Ulysses over the chosen attention (train/sequence_parallel.py)
+        parallelism_config=parallelism_config(r.train.sequence_parallel, choice.attention),
     )
 
 
@@ -79,17 +82,23 @@ def collate_packed(rows):
     return {k: torch.tensor([row[k] for row in rows], dtype=torch.long) for k in ("input_ids", "labels", "position_ids")}
 
 
-def make_collate_padded(pad_id: int):
+def make_collate_padded(pad_id: int, sequence_parallel: int = 1):
+    """Right-padded micro-batches. Under sequence parallelism the width is a multiple of N (each rank takes an equal
+    slice) and the rows carry position_ids (DeepSpeed's Ulysses reads positions, not the mask, which it drops: right
+    padding keeps every real token's causal view free of pads)."""
     import torch
 
     def collate(rows):
         n = max(len(row["input_ids"]) for row in rows)
+        n = -(-n // sequence_parallel) * sequence_parallel
         out = {"input_ids": [], "labels": [], "attention_mask": []}
         for row in rows:
             pad = n - len(row["input_ids"])
             out["input_ids"].append(row["input_ids"] + [pad_id] * pad)
             out["labels"].append(row["labels"] + [-100] * pad)
             out["attention_mask"].append([1] * len(row["input_ids"]) + [0] * pad)
+        if sequence_parallel > 1:
+            out["position_ids"] = [list(range(n))] * len(rows)
         return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
 
     return collate

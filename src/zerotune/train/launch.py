@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .. import batch as batchmod
 from .. import errors, reshard
 from .. import manifest as mf
 from ..answering import load_rows
@@ -75,6 +76,7 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
         saved = reshard.saved_world_if_other(ckpt, world)
         if saved is not None:
             reshard.refuse_unresumable(r, ckpt, saved, world)
+        batchmod.of_recipe(r, world)  # these processes hold the recipe's batch and its sequence-parallel groups
     plan = plan or compute_plan(r)
     if not skip_preflight:
         preflight(plan, r)  # predicted not to fit -> PlanError with the suggested change (--skip-preflight overrides)

@@ -32,6 +32,7 @@ from .callbacks import CommitCheckpoints, EndAtLastStep, StopOnSignal
 from .finalize import job_cpus
 from .handoff import Probe, RunRecord, StopRecord
 from .reshard_load import CheckUniversalLoad
+from .sequence_parallel import SequenceParallelTrainer
 from .validation import EvalDuringTraining
 
 _DIST_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
@@ -122,8 +123,7 @@ def setup(r: Recipe) -> Run:
     family = model_family(paths.base)  # an unknown architecture stops here, before any weight is read
     choice = hardware.choose(gpu, r.train.precision, r.train.attention, r.train.liger, family=family)
     data_manifest = require_prepared(r)
-    bp = batchmod.derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world,
-                         batchmod.rows_per_sample(r))
+    bp = batchmod.of_recipe(r, world)
     train_ds = load_from_disk(str(paths.data_train))
     steps = total_steps(len(train_ds), bp, r)
     args = training_arguments(r, bp, choice, gpu.capability is not None, steps,  # before the model: zero.Init
@@ -139,7 +139,8 @@ def setup(r: Recipe) -> Run:
                                        timeout=timedelta(seconds=DDP_TIMEOUT_S))
         # accelerate's plugin says GA 1 under DeepSpeed and takes the config's: harmless when that is ours
         quiet.drop_log("accelerate.accelerator", f"GradientAccumulationPlugin has 1, DeepSpeed config has {bp.grad_accum}.")
-    sft_collate = collate_packed if r.data.packing else make_collate_padded(data_manifest["pad_token_id"])
+    sft_collate = (collate_packed if r.data.packing else
+                   make_collate_padded(data_manifest["pad_token_id"], r.train.sequence_parallel))
     objective = preference.for_recipe(r, data_manifest["pad_token_id"])  # DPO's pieces (preference/); None: SFT
     collate = objective.collate if objective else sft_collate
     run = Run(paths, rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate, folder, saved, family,
@@ -154,7 +155,8 @@ def setup(r: Recipe) -> Run:
         run.say(objective.describe())
     if saved is not None:
         was = CommitMarker.read(resume).grad_accum  # None in older markers: the same batch at the old world
-        was = was or batchmod.derive(bp.global_batch_tokens, bp.seq_len, bp.micro_batch_size, saved, bp.rows).grad_accum
+        was = was or batchmod.derive(bp.global_batch_tokens, bp.seq_len, bp.micro_batch_size, saved, bp.rows,
+                                     bp.sequence_parallel).grad_accum
         run.say(f"world size {saved} -> {world}: DeepSpeed loads {resume.name}'s universal conversion ({folder}); "
                 f"grad-accum {was} -> {bp.grad_accum}, the global batch of {bp.global_batch_tokens:,} tokens and "
                 "the sequences of each step unchanged")
@@ -225,7 +227,8 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
                           hardware.peak_tflops(run.gpu, run.choice.precision), run.world, safety=safety)
     commit = CommitCheckpoints(r.train.save_total_limit, run.bp)
     objective = run.objective
-    trainer_class, extra = (objective.trainer_class, {"objective": objective}) if objective else (Trainer, {})
+    trainer_class, extra = ((objective.trainer_class, {"objective": objective}) if objective else
+                            (SequenceParallelTrainer if r.train.sequence_parallel > 1 else Trainer, {}))
     trainer = trainer_class(model=model, args=run.args, train_dataset=run.train_ds, data_collator=run.collate,
                             # safety before metrics: a step or loss that stops the run is judged before it is logged;
                             # validation after CommitCheckpoints: a step is committed before it is validated
