@@ -91,7 +91,8 @@ def recipe_batch(t: Target, peak: int) -> RecipeBatch:
         ga, error = None, str(e)
     return RecipeBatch(seq_len=r.data.seq_len, micro_batch_size=r.train.micro_batch_size, grad_accum=ga,
                        batch_error=error, global_batch_tokens=r.train.global_batch_tokens,
-                       fits=peak <= t.capacity and not error, rows_per_sample=batchmod.rows_per_sample(r))
+                       fits=peak <= t.capacity and not error, rows_per_sample=batchmod.rows_per_sample(r),
+                       sequence_parallel=t.sp)
 
 
 def memory_record(t: Target, mem: dict) -> Memory:
@@ -126,7 +127,9 @@ def phase_plan_of(t: Target, mem: dict) -> Phases:
     return phase_plan(m=t.shape, train=mem, precision=t.choice.precision, attention=t.choice.attention,
                       liger=t.choice.liger, packing=r.data.packing, zero=t.zero, world=t.world,
                       gpus_per_node=t.gpus_per_node, on_gpu=t.on_gpu, seq=seq, micro=rows,
-                      grad_accum=t.grad_accum(seq, rows), trainable=t.trainable, peft=t.peft, gpu_capacity=t.capacity,
+                      # the step's micro-batches still bound on the GPU between steps: none under sequence
+                      # parallelism, whose adapter keeps its slices on the host (memory.memory_breakdown)
+                      grad_accum=t.grad_accum(seq, rows) if t.sp == 1 else 0, trainable=t.trainable, peft=t.peft, gpu_capacity=t.capacity,
                       host_capacity=int(r.plan.cpu_ram_gb * 1e9), validation_runs=r.data.eval_fraction > 0,
                       samples=r.eval.samples if sets else 0, max_new_tokens=sets[0].max_new_tokens if sets else 0,
                       quant_type=r.quantize.type, preference_chunk=r.preference.chunk_tokens if r.pairs else None)

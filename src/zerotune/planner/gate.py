@@ -23,7 +23,9 @@ def preflight(p: Plan, r: Recipe) -> None:
     problems = []
     if not rb.fits:
         rec = p.recommended
-        fix = (f"use data.seq_len={rec.seq_len} train.micro_batch_size={rec.micro_batch_size}" if rec
+        fix = (f"use data.seq_len={rec.seq_len} train.micro_batch_size={rec.micro_batch_size}"
+               + (f" train.sequence_parallel={rec.sequence_parallel}" if rec.sequence_parallel != rb.sequence_parallel
+                  else "") if rec
                else "; ".join(suggestion(s) for s in p.suggestions))
         problems.append(f"train_step: predicted peak {m.peak_bytes / GiB:.1f} GiB per GPU exceeds "
                         f"{m.capacity_bytes / GiB:.2f} GiB on {p.cluster.gpu_name} at seq_len {rb.seq_len} "

@@ -441,19 +441,47 @@ def prefetched_batches_bytes(micro: int, seq: int, grad_accum: int, tensors: int
     return grad_accum * tensors * micro * seq * 8
 
 
+def ulysses_kv_dim(m: ModelShape, sequence_parallel: int) -> int:
+    """K (or V) width per token that DeepSpeed's Ulysses exchanges: the model's KV heads, copied up to N heads when
+    N is more than them (ulysses_sp.py combine_sequence, repeat_interleave by kv_replication_factor)."""
+    return max(m.kv_heads, sequence_parallel) * m.head_dim
+
+
+def ulysses_bytes(m: ModelShape, tokens: int, e: int, sequence_parallel: int) -> int:
+    """GPU bytes DeepSpeed's Ulysses holds beyond the layer's own tensors, at its worst instant, for `tokens` tokens
+    on this rank (deepspeed 0.19.8 ulysses_sp.py): each of q, k, v is laid out for the exchange (rearrange ...
+    .contiguous(), a copy) and received into a new tensor (_dim_zero_all_to_all), then laid out again for the
+    attention (a copy, which the attention saves: counted with the layer); two copies of each are alive together.
+    The output goes back the same way (_partition_global_sequence), two copies of its width, after q, k, v are
+    freed: the larger of the two is the term."""
+    kv = ulysses_kv_dim(m, sequence_parallel)
+    return 2 * e * tokens * max(m.q_dim + 2 * kv, m.q_dim)
+
+
 def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, attention: str, liger: bool,
                      checkpointing: bool, packing: bool, zero: dict | None, gpus_per_node: int, nodes: int,
                      gpu_is_cuda: bool = True, peft: tuple[str, int] | None = None,
                      capability: tuple[int, int] | None = None, lm_head_trainable: bool | None = None,
                      grad_accum_bytes: int | None = None, grad_accum: int = 1,
-                     preference_chunk: int | None = None) -> dict:
+                     preference_chunk: int | None = None, sequence_parallel: int = 1) -> dict:
     """Ordered {component: bytes} per GPU plus the peak (their sum) and notes. capability: the target GPU's
     (Liger's fused CE takes a costlier path below sm80); lm_head_trainable: default full fine-tuning only;
     grad_accum_bytes: DeepSpeed's gradient accumulation dtype (data_types.grad_accum_dtype; default: the
     model's); grad_accum: micro-batches per optimizer step (all of them sit on the GPU together:
     prefetched_batches_bytes); preference_chunk: DPO (preference.chunk_tokens): micro counts rows (2 per pair), and
-    the loss is the fused DPO loss (preference_loss_bytes) instead of cross entropy."""
+    the loss is the fused DPO loss (preference_loss_bytes) instead of cross entropy.
+
+    sequence_parallel: N ranks share each row (train/sequence_parallel.py). Every per-token term is this rank's
+    seq / N tokens: the layer inputs, the recompute, the logits and the batches. Attention runs on all seq tokens
+    for heads / N, the same number of elements (its logsumexp too), so its terms are counted at seq / N as well;
+    what is not divided is the model states and DeepSpeed's buffers (ZeRO-3 partitions those over every rank with
+    or without SP) and the calibration overheads. Added: the all-to-all copies of one layer (ulysses_bytes). The
+    adapter keeps the step's sliced micro-batches on the host (ulysses_sp.py refill: .cpu()); the Trainer moves one
+    at a time to the GPU. Not divided but not counted: Gemma 3's banded sliding-window masks cover the whole row
+    (a few MiB per layer at 32K)."""
     e = 2 if precision in ("fp16", "bf16") else 4
+    if sequence_parallel > 1:
+        seq, grad_accum = seq // sequence_parallel, 1
     world = gpus_per_node * nodes
     if peft is not None:  # (method, trainable params)
         states, cpu_bytes, how = peft_model_states_bytes(m, peft[0], peft[1], zero, gpus_per_node, nodes)
@@ -475,6 +503,8 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     else:
         parts["activations (all layers)"] = act["forward_end"] - act["loss_saved"]
     parts["attention mask"] = persistent_mask_bytes(micro, seq, e, attention, packing)
+    if sequence_parallel > 1:
+        parts["Ulysses all-to-all copies (one layer)"] = ulysses_bytes(m, micro * seq, e, sequence_parallel)
     # The in-flight micro-batch's input_ids are already counted with the activations (act["small"]: the
     # embedding saves them); every other tensor of the step's micro-batches is counted here.
     batches = prefetched_batches_bytes(micro, seq, grad_accum)

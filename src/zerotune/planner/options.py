@@ -9,26 +9,53 @@ from .. import batch as batchmod
 from .records import Option, Suggestion
 from .target import Target
 
-SEQ_CHOICES = (2048, 4096, 8192, 16384, 32768)
+SEQ_CHOICES = (2048, 4096, 8192, 16384, 32768, 65536, 131072)
 MICRO_CHOICES = (1, 2, 4, 8)
 RECOMMEND_GAIN = 0.05  # a recommendation other than the recipe's own must save more than this per step
 
 
+def sequence_parallel_choices(t: Target) -> tuple[int, ...]:
+    """The sequence-parallel degrees this model and node allow: divisors of the node's GPUs (a row's ranks stay in
+    one node) that split the heads as DeepSpeed's Ulysses needs (config.check_sequence_parallel_heads)."""
+    m = t.shape
+    return tuple(n for n in range(1, t.gpus_per_node + 1) if t.gpus_per_node % n == 0 and m.heads % n == 0
+                 and (m.kv_heads % n == 0 or n % m.kv_heads == 0))
+
+
 def options(t: Target) -> tuple[Option, ...]:
+    """Every (seq_len, micro-batch) that reaches the global batch exactly, each at the smallest sequence-parallel
+    degree that fits it (the largest tried when none does), and the recipe's own at its own degree."""
     r = t.r
+    sps = sequence_parallel_choices(t) if t.zero is not None else (1,)  # Ulysses rides DeepSpeed
     out = []
+
+    def option(seq: int, micro: int, sp: int, grad_accum: int) -> Option:
+        peak = t.memory(seq, t.rows(micro), sp=sp)["peak"]
+        st = t.step_time(seq, t.rows(micro), sp=sp)
+        return Option(seq_len=seq, micro_batch_size=micro, grad_accum=grad_accum, peak_bytes=peak,
+                      fits=peak <= t.capacity, seconds_per_step=st.seconds_per_step, flops_per_step=st.flops_per_step,
+                      attention_kind=st.attention_kind, sequence_parallel=sp,
+                      recipe=(seq, micro, sp) == (r.data.seq_len, r.train.micro_batch_size, t.sp))
+
     for seq in sorted({s for s in SEQ_CHOICES if s <= t.shape.max_positions} | {r.data.seq_len}):
         for micro in MICRO_CHOICES:
-            try:
-                bp = batchmod.derive(r.train.global_batch_tokens, seq, micro, t.world, batchmod.rows_per_sample(r))
-            except batchmod.BatchError:
-                continue  # must reach global_batch_tokens exactly
-            peak = t.memory(seq, t.rows(micro))["peak"]
-            st = t.step_time(seq, t.rows(micro))
-            out.append(Option(seq_len=seq, micro_batch_size=micro, grad_accum=bp.grad_accum, peak_bytes=peak,
-                              fits=peak <= t.capacity, seconds_per_step=st.seconds_per_step,
-                              flops_per_step=st.flops_per_step, attention_kind=st.attention_kind,
-                              recipe=seq == r.data.seq_len and micro == r.train.micro_batch_size))
+            tried = []
+            for sp in sps:
+                if seq % sp:
+                    continue
+                try:
+                    bp = batchmod.derive(r.train.global_batch_tokens, seq, micro, t.world,
+                                         batchmod.rows_per_sample(r), sp)
+                except batchmod.BatchError:
+                    continue  # must reach global_batch_tokens exactly
+                tried.append(o := option(seq, micro, sp, bp.grad_accum))
+                if o.fits:
+                    break
+            if tried:
+                out.append(tried[-1])
+            own = next((o for o in tried if o.recipe), None)
+            if own is not None and own is not tried[-1]:
+                out.append(own)  # the recipe's own degree, beside the smallest that fits
     return tuple(out)
 
 
@@ -76,6 +103,11 @@ def suggestions(t: Target) -> tuple[Suggestion, ...]:
         peak = t.memory(s, rows)["peak"]
         if peak <= t.capacity:
             out.append(tried(f"data.seq_len={s}", peak))
+            break
+    for sp in sequence_parallel_choices(t) if t.zero is not None else ():
+        peak = t.memory(seq, rows, sp=sp)["peak"]
+        if sp > t.sp and not seq % sp and peak <= t.capacity:
+            out.append(tried(f"train.sequence_parallel={sp}", peak))
             break
     gpn = 2 * t.gpus_per_node
     out.append(tried(None, t.memory(seq, rows, gpus_per_node=gpn)["peak"], gpus=gpn * t.nodes))

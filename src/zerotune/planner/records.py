@@ -66,6 +66,7 @@ class RecipeBatch:
     global_batch_tokens: int
     fits: bool           # memory fits and the batch is exact
     rows_per_sample: int  # 2 for a DPO pair (a chosen and a rejected row)
+    sequence_parallel: int = 1  # ranks sharing each row: each GPU holds seq_len / N of its tokens
 
     @property
     def tokens_per_step(self) -> int | None:
@@ -185,12 +186,14 @@ class MicroStep:
     backward_gather_s: float | None = None   # ZeRO-3
     reduce_scatter_s: float | None = None    # ZeRO-2, ZeRO-3
     offload_grad_pcie_s: float | None = None  # optimizer offload
+    sequence_parallel_s: float | None = None  # Ulysses' all-to-alls, on the critical path
     latency_s: float | None = None           # NCCL's per-collective latency, within the traffic above
     collectives: int | None = None
 
     def traffic(self) -> list[tuple[str, float]]:
         """(what, seconds) of each kind of traffic this micro-step has."""
-        kinds = ("forward_gather_s", "backward_gather_s", "reduce_scatter_s", "offload_grad_pcie_s")
+        kinds = ("forward_gather_s", "backward_gather_s", "reduce_scatter_s", "offload_grad_pcie_s",
+                 "sequence_parallel_s")
         return [(k.removesuffix("_s").replace("_", " "), v) for k in kinds if (v := getattr(self, k)) is not None]
 
 
@@ -287,6 +290,7 @@ class Option:
     seconds_per_step: float | None
     flops_per_step: float
     attention_kind: str
+    sequence_parallel: int  # ranks sharing each row
     recipe: bool  # the recipe's own
 
 

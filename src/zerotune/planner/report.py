@@ -211,6 +211,8 @@ def format_plan(p: Plan) -> str:
              f"  {ch.precision}, attention {ch.attention}, liger {'on' if ch.liger else 'off'}",
              f"\nper-GPU memory at seq_len {rb.seq_len:,} x micro-batch {rb.micro_batch_size}"
              + (" pair(s): a chosen and a rejected row each, fused DPO loss" if rb.rows_per_sample == 2 else "")
+             + (f", each row shared by {rb.sequence_parallel} GPUs (sequence parallel: "
+                f"{rb.seq_len // rb.sequence_parallel:,} tokens per GPU)" if rb.sequence_parallel > 1 else "")
              + ":"]
     for k, v in m.parts.items():
         lines.append(f"  {k:<36} {_gib(v)}")
@@ -223,17 +225,18 @@ def format_plan(p: Plan) -> str:
     if rb.batch_error:
         lines.append(f"  batch: {rb.batch_error}")
     lines.append(f"\nchoices reaching exactly {rb.global_batch_tokens:,} tokens per optimizer step:")
-    lines.append(f"  {'seq_len':>8} {'micro':>5} {'GA':>6} {'peak':>10}  fits  {'h/step':>6}")
+    lines.append(f"  {'seq_len':>8} {'micro':>5} {'SP':>3} {'GA':>6} {'peak':>10}  fits  {'h/step':>6}")
     for o in p.options:
         mark = " <- recommended" if o == p.recommended else ""
         mark += " (recipe)" if o.recipe else ""
         hours = f"{o.seconds_per_step / 3600:6.2f}" if o.seconds_per_step else f"{'-':>6}"
-        lines.append(f"  {o.seq_len:>8,} {o.micro_batch_size:>5} {o.grad_accum:>6} {_gib(o.peak_bytes)}"
-                     f"  {'yes' if o.fits else 'no '}  {hours}{mark}")
+        lines.append(f"  {o.seq_len:>8,} {o.micro_batch_size:>5} {o.sequence_parallel:>3} {o.grad_accum:>6} "
+                     f"{_gib(o.peak_bytes)}  {'yes' if o.fits else 'no '}  {hours}{mark}")
     if p.recommended:
         lines.append("  recommended: the least time per token among those that fit with seq_len >= the data's p99 "
                      "document length (the recipe's seq_len before `make data`); the recipe's own unless another "
-                     f"saves more than {RECOMMEND_GAIN:.0%}")
+                     f"saves more than {RECOMMEND_GAIN:.0%}. SP: GPUs sharing each row, the fewest that fit "
+                     "(train.sequence_parallel)")
     else:
         lines.append("  nothing fits. Try: " + "; ".join(suggestion(s) for s in p.suggestions))
     lines.append("\nevery phase of the job (peak per GPU, or host RAM per node):")

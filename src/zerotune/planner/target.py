@@ -18,7 +18,7 @@ from ..layout import layout
 from . import time as timemodel
 from .flops import flops_per_step
 from ..hub import ModelConfigError, config_source
-from .memory import GiB, ModelShape, memory_breakdown, peft_trainable_params, shape_of
+from .memory import GiB, ModelShape, memory_breakdown, peft_trainable_params, shape_of, ulysses_kv_dim
 from .records import FixedParts, MicroStep, StepTime, Terms
 
 
@@ -89,14 +89,22 @@ class Target:
         """A micro-batch's rows, the planner's unit: a DPO pair's chosen and rejected rows count two."""
         return micro * batchmod.rows_per_sample(self.r)
 
-    def grad_accum(self, seq: int, rows: int, world: int | None = None) -> int:
-        return batchmod.grad_accum(self.r.train.global_batch_tokens, seq, rows, world or self.world)
+    @property
+    def sp(self) -> int:
+        """The recipe's sequence-parallel degree: ranks sharing one row."""
+        return self.r.train.sequence_parallel
+
+    def grad_accum(self, seq: int, rows: int, world: int | None = None, sp: int | None = None) -> int:
+        """Micro-batches per optimizer step over the data-parallel ranks (world / sp)."""
+        return batchmod.grad_accum(self.r.train.global_batch_tokens, seq, rows, (world or self.world) // (sp or self.sp))
 
     def memory(self, seq: int, rows: int, *, choice: hardware.Choice | None = None, zero: dict | None = None,
-               gpus_per_node: int | None = None, nodes: int | None = None) -> dict:
-        """The training step's per-GPU memory (memory.memory_breakdown) at `rows` x `seq`; the keywords try a
-        switch (options.suggestions) or another cluster size (nodes.py)."""
+               gpus_per_node: int | None = None, nodes: int | None = None, sp: int | None = None) -> dict:
+        """The training step's per-GPU memory (memory.memory_breakdown) at `rows` x `seq`, each row shared by `sp`
+        ranks (default: the recipe's); the keywords try a switch (options.suggestions) or another cluster size
+        (nodes.py)."""
         r, ch = self.r, choice or self.choice
+        sp = sp or self.sp
         zero = self.zero if zero is None else zero
         gpn, nodes = gpus_per_node or self.gpus_per_node, nodes or self.nodes
         return memory_breakdown(
@@ -104,15 +112,15 @@ class Target:
             checkpointing=r.train.gradient_checkpointing, packing=r.data.packing, zero=zero, gpus_per_node=gpn,
             nodes=nodes, gpu_is_cuda=self.on_gpu, peft=self.peft, capability=self.g.capability,
             lm_head_trainable=r.peft.method == "none" or "lm_head" in r.peft.modules_to_save,
-            grad_accum_bytes=self.accum_bytes, grad_accum=self.grad_accum(seq, rows, gpn * nodes),
-            preference_chunk=r.preference.chunk_tokens if r.pairs else None)
+            grad_accum_bytes=self.accum_bytes, grad_accum=self.grad_accum(seq, rows, gpn * nodes, sp),
+            preference_chunk=r.preference.chunk_tokens if r.pairs else None, sequence_parallel=sp)
 
     def step_time(self, seq: int, rows: int, world: int | None = None, *, hpz: int | None = None,
-                  cluster: str | None = None) -> StepTime:
+                  cluster: str | None = None, sp: int | None = None) -> StepTime:
         """FLOPs per optimizer step and, where the time model has figures, the seconds it takes: compute at the
         assumed MFU (the kernels' efficiency alone) + the communication it cannot hide + the optimizer step + fixed
         costs (planner/time.py)."""
-        world = world or self.world
+        world, sp = world or self.world, sp or self.sp
         f = flops_per_step(self.r, self.shape, seq, rows, self.choice.attention, self.docs)
         flops = StepTime(flops_per_step=f["flops_per_step"], flops_dense=f["flops_dense"],
                          flops_recompute=f["flops_recompute"], flops_attention=f["flops_attention"],
@@ -121,7 +129,7 @@ class Target:
         if not self.timed:
             return flops
         c = timemodel.CLUSTERS[cluster or self.cluster]
-        job = self._job(f["flops_per_step"], seq, rows, world, hpz)
+        job = self._job(f["flops_per_step"], seq, rows, world, hpz, sp)
         # fp32 (Gemma 3 on V100): its own peak
         t = timemodel.step_time(job, c, hardware.peak_tflops(self.g, self.choice.precision), self.mfu)
         return dataclasses.replace(
@@ -143,18 +151,23 @@ class Target:
     def save_s(self) -> float:
         return self.checkpoint_bytes / SAVE_BYTES_PER_S
 
-    def _job(self, flops: float, seq: int, rows: int, world: int, hpz: int | None) -> timemodel.Job:
-        gpn = self.gpus_per_node
-        ga = self.grad_accum(seq, rows, world)
-        numels, bucket = self.shape.zero3_modules(self.zero)
-        return timemodel.Job(n_params=self.shape.n_params, trainable=self.trainable,
-                             flops_micro=flops / (world * ga),
-                             forward_share=0.25 if self.r.train.gradient_checkpointing else 1 / 3,
-                             tokens_micro=seq * rows, grad_accum=ga, gpus_per_node=gpn, nodes=world // gpn,
-                             dtype_bytes=hardware.dtype_bytes(self.choice.precision), zero_stage=self.zero_stage,
+    def _job(self, flops: float, seq: int, rows: int, world: int, hpz: int | None, sp: int) -> timemodel.Job:
+        gpn, m = self.gpus_per_node, self.shape
+        ga = self.grad_accum(seq, rows, world, sp)
+        numels, bucket = m.zero3_modules(self.zero)
+        e = hardware.dtype_bytes(self.choice.precision)
+        tokens = seq * rows // sp  # this GPU's slice of its micro-batch's rows
+        recompute = self.r.train.gradient_checkpointing
+        return timemodel.Job(n_params=m.n_params, trainable=self.trainable,
+                             flops_micro=flops / (world * ga),  # a row's FLOPs divide over its sp ranks
+                             forward_share=0.25 if recompute else 1 / 3,
+                             tokens_micro=tokens, grad_accum=ga, gpus_per_node=gpn, nodes=world // gpn,
+                             dtype_bytes=e, zero_stage=self.zero_stage,
                              offload_optimizer=self.offload_optimizer, hpz=self.hpz if hpz is None else hpz,
                              save_s=self.save_s, save_steps=self.r.train.save_steps,
-                             module_numels=numels, reduce_bucket=bucket)
+                             module_numels=numels, reduce_bucket=bucket, sequence_parallel=sp,
+                             ulysses_bytes=e * tokens * (2 * m.q_dim + 2 * ulysses_kv_dim(m, sp)),
+                             layers=m.layers, passes=3 if recompute else 2)
 
 
 def resolve(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = None, nodes: int | None = None,

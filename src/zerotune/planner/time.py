@@ -267,6 +267,11 @@ class Job:
     # stage3_param_persistence_threshold), in gather order; () = the model as one collective, no latency (by hand)
     module_numels: tuple = ()
     reduce_bucket: int = 0   # reduce_bucket_size (numel): how many reduce-scatters adapters' few gradients take
+    # sequence parallelism (DeepSpeed Ulysses): ranks per row, and what one rank exchanges per layer and pass
+    sequence_parallel: int = 1
+    ulysses_bytes: float = 0.0  # q, k, v in and the attention output back, this rank's slice of the row
+    layers: int = 0
+    passes: int = 3             # forward, recompute (gradient checkpointing), backward; 2 without recompute
 
     @property
     def world(self) -> int:
@@ -384,7 +389,14 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
         pcie = 8 * per_gpu / (c.host * GB)  # fp32 partition host -> GPU, add, GPU -> host (first micro-step too)
         detail["offload_grad_pcie_s"] = pcie
     m_fwd, m_bwd = fwd_gather, bwd_gather + reduce_scatter + pcie
-    micro = _pass_s(c_fwd, m_fwd, overlap) + _pass_s(c_bwd, m_bwd, overlap)
+    # Ulysses: four all-to-alls per layer per pass inside the node (a row's ranks never span nodes: config.py), on
+    # the critical path (each layer's attention waits for its q, k, v; the next layer for the output), so not
+    # overlapped; an all-to-all moves (N-1)/N of each rank's data over its links, as a ring collective does
+    a2a = 0.0
+    if job.sequence_parallel > 1:
+        a2a = job.passes * job.layers * collective_s(job.ulysses_bytes, job.sequence_parallel, c, False)
+        detail["sequence_parallel_s"] = a2a
+    micro = _pass_s(c_fwd, m_fwd, overlap) + _pass_s(c_bwd, m_bwd, overlap) + a2a
     if job.offload_optimizer:
         optimizer = job.trainable / job.nodes / c.cpu_adam + 2 * per_gpu / (c.host * GB)
         opt_how = (f"CPU Adam {job.trainable / job.nodes:.3g} parameters per node at {c.cpu_adam:.3g}/s + fp16 "
@@ -398,7 +410,7 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
     terms = {"compute": ga * compute, "communication": ga * (micro - compute) + step_comm,
              "optimizer": optimizer, "fixed": fixed}
     total = sum(terms.values())
-    comm_micro = m_fwd + m_bwd  # all of it, before overlap
+    comm_micro = m_fwd + m_bwd + a2a  # all of it, before overlap
     return {
         "terms": terms, "seconds_per_step": total, "dominant": max(terms, key=terms.get),
         "shares": {k: v / total for k, v in terms.items()},
