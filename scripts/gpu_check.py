@@ -33,8 +33,12 @@ Rows and their expected time on an H100/H200, process start and set-up included 
   zero3_8b         ~150 s Llama-3.1-8B's width with as many layers as the planner fits one card at ZeRO-3 world size
                    +45 s  1: train, validation, samples, save, resume (a fresh process) at --seq[0]; train alone at
                           the others (512: ZeRO-3's per-module overhead). Seconds per micro-step beside the plan.
+  sp_attention     ~40 s  issue 52: what one GPU of a 32K row on 2 GPUs attends after DeepSpeed's Ulysses exchange
+                          (16 query, 4 K/V heads x 32K tokens, one 32K document and a mix), forward + backward under
+                          sdpa_docs in the card's kernels, its peak within the plan's one-layer recompute. The exchange
+                          itself (all-to-alls, their time) needs 2+ GPUs: not shown by one card.
   zero3_1b         ~110 s (not by default) the Llama-3.2-1B shape, every phase at each --seq.
-  Default ~7 min; --quick ~4 min (no liger_families; the 8B slice trains, validates, samples at --seq[0] only).
+  Default ~8 min; --quick ~5 min (no liger_families; the 8B slice trains, validates, samples at --seq[0] only).
 """
 
 from __future__ import annotations
@@ -58,8 +62,9 @@ from zerotune.emulation import TARGETS  # noqa: E402
 WORKER = Path(__file__).resolve().with_name("gpu_check_worker.py")  # what runs in each check's own process
 
 GiB = 1024 ** 3
-CHECKS = ("fp16_loss_scale", "sdpa_packed", "liger", "liger_families", "attention_ab", "zero3_8b", "zero3_1b")
-QUICK = ("fp16_loss_scale", "sdpa_packed", "liger", "attention_ab", "zero3_8b")
+CHECKS = ("fp16_loss_scale", "sdpa_packed", "liger", "liger_families", "attention_ab", "zero3_8b", "sp_attention",
+          "zero3_1b")
+QUICK = ("fp16_loss_scale", "sdpa_packed", "liger", "attention_ab", "zero3_8b", "sp_attention")
 PHASES = ("train", "validation", "samples", "save", "resume")
 PLAN_PHASES = {"train": "train_step", "validation": "validation", "samples": "samples", "save": "save",
                "resume": "resume"}  # ours -> planner/phases.py phase_plan's GPU phases
@@ -446,7 +451,9 @@ ROWS = {"fp16_loss_scale": rows_fp16_loss_scale,
         "sdpa_packed": lambda kit: kit.simple("sdpa_packed"),
         "liger": lambda kit: kit.simple("liger", {"families": ["llama"]}),
         "liger_families": lambda kit: kit.simple("liger", {"families": ["qwen3", "gemma3"]}, "liger_families"),
-        "attention_ab": rows_attention_ab, "zero3_8b": rows_zero3_8b, "zero3_1b": rows_zero3_1b}
+        "attention_ab": rows_attention_ab, "zero3_8b": rows_zero3_8b, "zero3_1b": rows_zero3_1b,
+        # a 32K row on 2 GPUs: one GPU's attention after the exchange (the exchange itself needs 2+ GPUs)
+        "sp_attention": lambda kit: kit.simple("sp_attention", {"seq": 32768, "sp": 2, "plan_gpu": kit.plan_gpu})}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -455,6 +455,73 @@ def check_sdpa_packed(spec: dict) -> dict:
     return {"rows": rows}
 
 
+def shard_attention(heads: int, kv_heads: int, head_dim: int, docs: tuple[int, ...], dtype, device) -> dict:
+    """What one GPU of a sequence-parallel group attends after DeepSpeed's Ulysses exchange: every token of the
+    row for its heads / N query heads and their K/V heads (ulysses_sp.py _combine_local_sequences), through
+    sdpa_docs with the row's gathered position_ids, forward and backward. Returns the output's and the gradients'
+    finiteness and the SDPA backends that ran."""
+    import torch
+
+    from zerotune.attention import document_attention
+
+    class Layer:  # what transformers' attention interface reads from the layer
+        num_key_value_groups, is_causal = heads // kv_heads, True
+
+    seq = sum(docs)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, n, seq, head_dim, generator=g).to(device, dtype).requires_grad_()
+               for n in (heads, kv_heads, kv_heads))
+    pos = torch.cat([torch.arange(d) for d in docs]).unsqueeze(0).to(device)
+
+    def step():
+        out, _ = document_attention(Layer(), q, k, v, None, position_ids=pos, scaling=head_dim ** -0.5)
+        out.float().square().mean().backward()
+        return out
+
+    used = sdpa_backends_used(step)
+    return {"finite": all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v)), "used": used, "seq": seq}
+
+
+def check_sp_attention(spec: dict) -> dict:
+    """Issue 52 on one card: the attention one GPU of Llama-3.1-8B's sequence-parallel group runs at a 32K row
+    (N = 2: 16 query heads, 4 K/V heads, every token), in the emulated card's kernels and precision, with one 32K
+    document (the longest case: the memory-efficient kernel's causal path over 32K keys) and a mix of long ones.
+    Its peak beside the plan's one-layer recompute at the same tokens per GPU (the transient budget the attention
+    lives in). One card cannot run the exchange itself: the all-to-alls and their time need 2+ GPUs."""
+    import torch
+
+    from zerotune import hardware
+    from zerotune.config import load_recipe
+    from zerotune.families import FAMILIES
+    from zerotune.planner.target import resolve
+    from zerotune.verify import model_dtype
+
+    rows, emu = [], this_card(spec["as"])
+    seq, sp = spec["seq"], spec["sp"]
+    budget = resolve(load_recipe("llama8b_long_zero3", [f"data.seq_len={seq}", f"train.sequence_parallel={sp}"]),
+                     gpu=spec["plan_gpu"]).memory(seq, 1)["parts"]["one-layer recompute"]
+    with emulate(emu) as guard:
+        dtype = model_dtype(hardware.choose(emu.gpu, family=FAMILIES["llama"]).precision)
+        for label, docs in (("one document", (seq,)), ("long documents", (seq // 2, seq // 4, seq // 8, seq // 8))):
+            name, m = f"sp attention {seq:,}/{sp}: {label}", Measure()
+            try:
+                with m:
+                    got = shard_attention(32 // sp, 8 // sp, 128, docs, dtype, "cuda")
+                problems = [p for p, bad in (("non-finite gradients", not got["finite"]),
+                                             ("SDPA ran its math kernel (S x S scores)", "math" in got["used"]),
+                                             ("peak above the plan's one-layer recompute", (m.allocated or 0) > budget))
+                            if bad]
+                rows.append(finish(name, problems, f"{32 // sp} query / {8 // sp} K/V heads x {seq:,} tokens, docs "
+                                   f"{'+'.join(map(str, docs))}, {str(dtype).removeprefix('torch.')}; SDPA ran: "
+                                   f"{', '.join(got['used']) or 'none'}; plan's one-layer recompute "
+                                   f"{budget / GiB:.2f} GiB", guard, m, predicted_allocated=budget))
+            except Exception as e:
+                guard.take()
+                rows.append(_fail(name, e, m))
+            torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
 def check_liger(spec: dict) -> dict:
     """Each family patched by families.apply_liger (as worker.load_model does), in the precision zerotune picks for
     it on the (emulated) card: train loss and gradients against the same weights in fp32 (16-bit noise alone
@@ -691,7 +758,7 @@ def check_zero3(spec: dict) -> dict:
 # --------------------------------------------------------------------------------------------------------------
 
 CHECKS = {"env": worker_env, "fp16_loss_scale": check_fp16_loss_scale, "sdpa_packed": check_sdpa_packed,
-          "liger": check_liger, "zero3": check_zero3}
+          "liger": check_liger, "zero3": check_zero3, "sp_attention": check_sp_attention}
 
 
 def main(argv: list[str] | None = None) -> int:

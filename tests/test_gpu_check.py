@@ -65,7 +65,8 @@ def test_without_cuda_prints_one_line_and_exits_0(tmp_path):
 def test_command_line(gc):
     a = gc.parse_args([])
     assert a.target == "v100-32gb" and a.seq == [16384, 512] and a.steps == 3 and not a.quick
-    assert a.checks == ["fp16_loss_scale", "sdpa_packed", "liger", "liger_families", "attention_ab", "zero3_8b"]
+    assert a.checks == ["fp16_loss_scale", "sdpa_packed", "liger", "liger_families", "attention_ab", "zero3_8b",
+                        "sp_attention"]
     assert a.out == REPO / "runs" / "gpu_check" and a.timeout == 900
     quick = gc.parse_args(["--quick"])
     assert quick.quick and "liger_families" not in quick.checks and "zero3_8b" in quick.checks
@@ -336,6 +337,15 @@ def test_packed_logits_equal_per_document_on_cpu(gc, gw):
         assert res["max_diff"] <= res["tol"] and res["control_diff"] > 10 * res["tol"], (attn, res["max_diff"])
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
         assert gw.sdpa_backends_used(lambda: model(input_ids=res["ids"], position_ids=res["pos"])) == ["math"]
+
+
+def test_shard_attention_on_cpu(gw):
+    """The sequence-parallel row's attention the kit times on a card (check_sp_attention), at a small shape on CPU:
+    grouped heads over the whole row, one fused kernel, finite gradients; the shard's heads must group evenly."""
+    import torch
+
+    got = gw.shard_attention(heads=4, kv_heads=2, head_dim=16, docs=(40, 24), dtype=torch.float32, device="cpu")
+    assert got["finite"] and got["seq"] == 64 and got["used"] and "math" not in got["used"], got
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])

@@ -337,3 +337,29 @@ def test_metrics_rewind_moves_rows_after_the_resume_point(tmp_path):
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
     moved = (tmp_path / "metrics.discarded.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in moved] == [5, 6, 7]
+
+
+def test_sequence_parallel_2_resumed_at_1_matches_the_uninterrupted_run_and_passes_check(reference, tmp_path):
+    """Issue 52: the reference's batch trained at train.sequence_parallel=2 (both ranks share each row: data-parallel
+    1, grad-accum 4), stopped after its first step by a deadline already passed (committed at step 1), resumed at 1
+    (data-parallel 2, grad-accum 2) on the same 2 ranks: nothing to convert (ZeRO-3 partitions by world size, not
+    by N), every loss equal to the uninterrupted run's, then finalize, quantize and a passing GGUF check."""
+    import time
+
+    run = fresh(reference, tmp_path / "run")
+    sp2 = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny", f"output_dir={run}", *COMMON,
+                          "train.sequence_parallel=2"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "ZEROTUNE_DEADLINE": str(int(time.time()))})
+    log = sp2.stdout + sp2.stderr
+    assert sp2.returncode == 75, log[-3000:]
+    assert "data-parallel 1 (world 2 / sequence-parallel 2) x grad-accum 4" in log, log[-3000:]
+    assert "checkpointing at step 1 and stopping" in log and "Traceback" not in log
+
+    one = zt("finetune", "tiny", f"output_dir={run}", *COMMON).stdout
+    assert "resuming from committed checkpoint" in one and "checkpoint-1" in one
+    assert "converting" not in one and "x world 2 x grad-accum 2" in one
+    assert_matches_reference(reference, run)
+
+    zt("quantize", "tiny", f"output_dir={run}")
+    checked = zt("check", "tiny", f"output_dir={run}")  # exits 0 only when the GGUF passes its gates
+    assert (run / "check" / "check.json").exists(), checked.stdout[-2000:]

@@ -39,6 +39,7 @@ class CommitMarker:
     seq_len: int | None = None
     micro_batch_size: int | None = None
     grad_accum: int | None = None
+    sequence_parallel: int | None = None  # ranks that shared each row: resuming at another degree is allowed
     save_s: float | None = None  # how long its save took: the resumed run's deadline check knows it before saving
     files: dict[str, int] = field(default_factory=dict)  # every file but the marker, and its size: problem()
 

@@ -102,7 +102,7 @@ class TrainCfg:
     save_total_limit: int = _f(2, "Committed checkpoints to keep; 0 = all", NON_NEGATIVE)
     report_to: Literal["none", "wandb"] = _f("none", "Experiment tracker (wandb runs offline without an API key)")
     cpu_procs: int = _f(2, "Processes to launch when no GPU is visible (CPU runs only)", AT_LEAST_1)
-    sequence_parallel: int = _f(1, "Ranks that share one row (DeepSpeed Ulysses): each holds seq_len / N tokens of it and N of every N-th attention head; data parallelism is world / N. 1 = off; N divides the GPUs of a node and the attention heads (docs/training.md#long-rows)", AT_LEAST_1)
+    sequence_parallel: int = _f(1, "GPUs that share one row (DeepSpeed Ulysses): each holds seq_len / N of its tokens (inside attention: every token, heads / N of the heads); data parallelism is world / N. 1 = off; N divides the GPUs of a node and the attention heads (docs/training.md#long-rows-sequence-parallelism)", AT_LEAST_1)
 
 
 @dataclass
