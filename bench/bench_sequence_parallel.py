@@ -1,7 +1,7 @@
 """Sequence parallelism on CPU: the longest packed row that trains under a memory cap, and tokens per CPU-second,
 with each row on one rank (SP 1) or shared by three (SP 3), training SmolLM2-135M-Instruct as zerotune trains it.
 
-    .venv/bin/python bench/bench_sequence_parallel.py [--seq 3072 6144 12288 24576] [--out PATH]
+    .venv/bin/python bench/bench_sequence_parallel.py [--seq 3072 6144 12288] [--out PATH]
 
 Why 3: SmolLM2 has 9 attention heads and 3 KV heads, so DeepSpeed's Ulysses splits it over 1, 3 or 9 ranks (2 is
 refused: config.check_sequence_parallel_heads), and rows are multiples of 3 tokens. Both run 3 processes (on this machine's 2 cores: tokens per
@@ -12,9 +12,11 @@ train/sequence_parallel.py). SP 1: each rank trains its own row (data-parallel 3
 packed_row). Per configuration: one warm-up optimizer step, then one timed; per rank the peak RSS (ru_maxrss) and
 the CPU seconds of the timed step.
 
-The cap is fixed before measuring, by rule: the largest per-rank peak SP 1 reaches at 6,144-token rows. The result
-is the longest row each degree trains at or under it (rows double from 3,072). Rows SP 1 is not run at: 12K and up
-(three such rows' fp32 logits at once, ~7 GB a rank, would need more RAM than this machine's 24 GB).
+The cap is fixed before measuring, by rule: the largest per-rank peak SP 1 reaches at 3,072-token rows (5.9 GiB
+here: three processes, each with the interpreter and libraries, its ZeRO-3 share, and a row's fp32 logits,
+log-softmax and their gradient at SmolLM2's 49,152-token vocabulary). The result is the longest row each degree
+trains at or under it (rows double from 3,072). SP 1 runs at 3,072 only: three 6K rows at once would need more
+RAM than this machine's 24 GB.
 Writes bench/results/sequence_parallel.json and .md.
 """
 from __future__ import annotations
@@ -36,8 +38,8 @@ sys.path.insert(0, str(REPO / "bench"))
 RESULTS = REPO / "bench" / "results"
 MODEL = REPO / "assets" / "models" / "smollm2-135m-instruct"
 PROCS = 3
-CAP_AT = 6144  # the cap: SP 1's per-rank peak at rows of this many tokens
-SP1_MAX = 6144  # SP 1 beyond this would hold three long rows' logits at once: more than this machine's RAM
+CAP_AT = 3072  # the cap: SP 1's per-rank peak at rows of this many tokens
+SP1_MAX = 3072  # SP 1 beyond this would hold three longer rows' logits at once: more than this machine's RAM
 
 
 def worker(spec_path: str) -> None:
@@ -129,7 +131,7 @@ def main() -> int:
         worker(sys.argv[2])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, nargs="+", default=[3072, 6144, 12288, 24576])
+    ap.add_argument("--seq", type=int, nargs="+", default=[3072, 6144, 12288])
     ap.add_argument("--out", type=Path, default=RESULTS / "sequence_parallel", help="writes OUT.json and OUT.md")
     a = ap.parse_args()
     from bench_stats import Steal

@@ -1,5 +1,6 @@
 """Sequence parallelism (train.sequence_parallel = N): one row of seq_len tokens trained by N ranks, each holding
-seq_len / N of its tokens, so a 32K-token row fits V100s that one 16K row fills (docs/training.md#long-rows).
+seq_len / N of its tokens, so a 32K-token row fits V100s that one 16K row fills
+(docs/training.md#long-rows-sequence-parallelism).
 
 What rides on the pinned stack (ALST: DeepSpeed 0.19.8 runtime/sequence_parallel/ulysses_sp.py, accelerate 1.15,
 transformers 5.23), and how zerotune's own pieces meet it, phase by phase:
