@@ -339,6 +339,7 @@ def test_metrics_rewind_moves_rows_after_the_resume_point(tmp_path):
     assert [json.loads(x)["step"] for x in moved] == [5, 6, 7]
 
 
+@pytest.mark.extended
 def test_sequence_parallel_2_resumed_at_1_matches_the_uninterrupted_run_and_passes_check(reference, tmp_path):
     """Issue 52: the reference's batch trained at train.sequence_parallel=2 (both ranks share each row: data-parallel
     1, grad-accum 4), stopped after its first step by a deadline already passed (committed at step 1), resumed at 1
