@@ -196,3 +196,30 @@ def test_no_call_asks_for_enable_gqa(monkeypatch):
     assert torch.equal(got, want)
     assert (got_padded - want_padded).abs().max() < 1e-10
     assert seen and not any(seen)
+
+
+def test_training_on_cuda_stops_on_a_math_kernel_fallback_naming_the_call():
+    """Issue 53 (3): the worker trains under attention.SdpaGuard(training_backends(on_cuda), strict=True): on CUDA the
+    fused kernels only, and a call none takes is an error that names it, not a silent math kernel. Here (CPU) the
+    memory-efficient kernel stands in for "a fused kernel that cannot take this call": CPU has none."""
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    from zerotune.attention import FUSED, SdpaFallbackError, SdpaGuard, training_backends
+
+    assert training_backends(True) == FUSED == ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION")
+    assert training_backends(False) == ()
+    q = torch.randn(1, 4, 8, 16)
+    with SdpaGuard(training_backends(False), strict=True):  # CPU: nothing restricted
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    orig = F.scaled_dot_product_attention
+    with pytest.raises(SdpaFallbackError, match=r"no fused kernel \(EFFICIENT_ATTENTION\) takes .*q 1x4x8x16"):
+        with SdpaGuard(("EFFICIENT_ATTENTION",), strict=True):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert F.scaled_dot_product_attention is orig  # restored after the error
+    # the outermost guard rules: gpu-check's emulation (recording, math rerun) around the worker's strict one
+    with SdpaGuard(("EFFICIENT_ATTENTION",)) as outer:
+        with SdpaGuard(("EFFICIENT_ATTENTION",), strict=True):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        assert "math kernel for 1 call(s)" in outer.take()

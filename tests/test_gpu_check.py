@@ -161,7 +161,7 @@ def test_sdpa_guard_turns_no_kernel_into_a_reported_call(gw):
     import torch
     import torch.nn.functional as F
 
-    from zerotune.emulation import SdpaGuard
+    from zerotune.attention import SdpaGuard
 
     q, k = torch.randn(1, 4, 8, 16), torch.randn(1, 2, 8, 16)
     orig = F.scaled_dot_product_attention
@@ -188,7 +188,7 @@ def test_guard_names_transformers_call_site(gc):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from zerotune.emulation import SdpaGuard
+    from zerotune.attention import SdpaGuard
 
     cfg = gc.small_config("llama", vocab_size=256, hidden_size=64, intermediate_size=128, head_dim=16)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), attn_implementation="sdpa").eval()
@@ -206,7 +206,7 @@ def test_decode_under_sdpa_docs_packs_query_heads_without_enable_gqa(gc):
     import torch
     import torch.nn.functional as F
 
-    from zerotune.emulation import describe_sdpa_call
+    from zerotune.attention import describe_sdpa_call
 
     calls = []
     orig = F.scaled_dot_product_attention

@@ -41,6 +41,9 @@ error that says why, never a silent switch of kernel.
 
 from __future__ import annotations
 
+import os
+import traceback
+
 NAME = "sdpa_docs"  # train.attention value; the model's config._attn_implementation
 
 
@@ -197,3 +200,100 @@ def load_name(attention: str) -> str:
     if attention == NAME:
         register()
     return attention
+
+
+# ---------------------------------------------------------------------------------------------
+# Which SDPA kernels may run
+# ---------------------------------------------------------------------------------------------
+
+NO_KERNEL = ("No available kernel", "No viable backend")  # no enabled SDPA backend takes the call (CUDA, CPU)
+# What training allows on CUDA: the fused kernels, never the math one (it materialises S x S scores: at 16K rows
+# 32 heads x 16K x 16K fp32 per layer). On a V100 or T4 only the memory-efficient one exists.
+FUSED = ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION")
+
+
+def training_backends(on_cuda: bool) -> tuple[str, ...]:
+    """The SDPA backends a training worker runs under (train/worker.py): the fused ones on CUDA; on CPU none is
+    restricted (torch's CPU flash kernel or math, both without a GPU's memory to lose)."""
+    return FUSED if on_cuda else ()
+
+
+class SdpaFallbackError(RuntimeError):
+    """Training asked SDPA for a call no fused kernel takes (it would run the math kernel's S x S scores)."""
+
+
+class SdpaGuard:
+    """SDPA limited to `backends` (SDPBackend names; none: a no-op). A call none of them takes is recorded (site,
+    shapes, flags) and rerun on the math kernel, take() returning what was recorded since the last take; `strict`:
+    it raises SdpaFallbackError naming the call instead. The outermost guard rules: one entered inside another
+    (the training worker inside gpu-check's emulation) changes nothing."""
+    _active = False
+
+    def __init__(self, backends: tuple[str, ...] = (), strict: bool = False):
+        self.backends, self.strict, self.calls, self._saved = tuple(backends), strict, {}, None
+
+    def __enter__(self):
+        if not self.backends or SdpaGuard._active:
+            return self
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        orig = F.scaled_dot_product_attention
+        kernel = sdpa_kernel([getattr(SDPBackend, b) for b in self.backends])
+        kernel.__enter__()
+
+        def sdpa(*args, **kw):  # transformers and attention.py look the function up at each call
+            try:
+                return orig(*args, **kw)
+            except RuntimeError as e:
+                if not any(m in str(e) for m in NO_KERNEL):
+                    raise
+                key, text = describe_sdpa_call(args, kw)
+                if self.strict:
+                    raise SdpaFallbackError(
+                        f"SDPA: no fused kernel ({'/'.join(self.backends)}) takes {text}; the math kernel would "
+                        "build its S x S scores. A shape, dtype or mask this GPU's kernels do not support: report it "
+                        "with this line.") from None
+                self.calls.setdefault(key, [0, text])[0] += 1
+                with sdpa_kernel([SDPBackend.MATH]):
+                    return orig(*args, **kw)
+
+        self._saved = (F, orig, kernel)
+        F.scaled_dot_product_attention = sdpa
+        SdpaGuard._active = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved:
+            F, orig, kernel = self._saved
+            F.scaled_dot_product_attention = orig
+            kernel.__exit__(None, None, None)
+            self._saved = None
+            SdpaGuard._active = False
+        return False
+
+    def take(self) -> str | None:
+        if not self.calls:
+            return None
+        n = sum(c for c, _ in self.calls.values())
+        out = (f"SDPA fell back to the math kernel for {n} call(s) ({'/'.join(self.backends)} could not take them): "
+               + "; ".join(f"{c} x {t}" for c, t in self.calls.values()))
+        self.calls = {}
+        return out
+
+
+def describe_sdpa_call(args, kw) -> tuple[tuple, str]:
+    """(key, text) of one SDPA call: its caller outside torch and this module, shapes, dtype, mask and flags. The
+    key leaves out the lengths, so a generation's decode steps count as one kind of call."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    p = {**dict(zip(names, args)), **kw}
+    q, k, mask = p["query"], p["key"], p.get("attn_mask")
+    site = "?"
+    for f in reversed(traceback.extract_stack()[:-2]):
+        if f"{os.sep}torch{os.sep}" not in f.filename:  # [:-2]: this function and the wrapper that called it
+            site = f"{f.filename.split('site-packages/')[-1].split('/src/')[-1]}:{f.lineno}"
+            break
+    flags = f"is_causal={bool(p.get('is_causal'))}, enable_gqa={bool(p.get('enable_gqa'))}"
+    text = (f"{site} (q {'x'.join(map(str, q.shape))}, k {'x'.join(map(str, k.shape))} "
+            f"{str(q.dtype).removeprefix('torch.')}, {'mask' if mask is not None else 'no mask'}, {flags})")
+    return (site, q.shape[1], k.shape[1], q.shape[2] == 1, mask is None, flags, str(q.dtype)), text

@@ -7,8 +7,8 @@ scripts/gpu_check.py (`make gpu-check`, --as v100-32gb) runs every row inside `e
   pass hardware.detect();
 - SDPA limited to the backends the target has (sm70/sm75: the memory-efficient kernel; flash and cuDNN SDPA need
   sm80+), through torch.nn.attention.sdpa_kernel. A call none of them takes raises "No available kernel" on CUDA
-  ("No viable backend" on CPU); SdpaGuard records which call and reruns it on the math kernel, as the target would
-  run it, so the caller can report it as a failure and still measure;
+  ("No viable backend" on CPU); attention.SdpaGuard records which call and reruns it on the math kernel, as the
+  target would run it, so the caller can report it as a failure and still measure;
 - the caching allocator capped (torch.cuda.set_per_process_memory_fraction) at what the target leaves it: its
   usable memory (hardware.GPU.usable_gib, PyTorch's "total capacity") less the CUDA context the planner assumes
   outside the allocator (planner/calibration.py CUDA_CONTEXT_BYTES), so an out-of-memory is the target's;
@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
 from dataclasses import dataclass
 
 from . import hardware
+from .attention import SdpaGuard
 from .planner import calibration
 
 GiB = 1024 ** 3
 TARGETS = tuple(k for k, g in hardware.GPUS.items() if g.capability and g.capability < (8, 0))  # v100-32gb, t4
-NO_KERNEL = ("No available kernel", "No viable backend")  # no enabled SDPA backend takes the call (CUDA, CPU)
 
 
 class EmulationError(RuntimeError):
@@ -119,73 +118,6 @@ def this_card(target: str) -> Emulation:
         return emulation_for("native", None, 0)
     props = torch.cuda.get_device_properties(0)
     return emulation_for(target, torch.cuda.get_device_capability(0), props.total_memory, props.name)
-
-
-class SdpaGuard:
-    """SDPA limited to `backends` (SDPBackend names; none: a no-op). A call none of them takes is recorded (site,
-    shapes, flags) and rerun on the math kernel; take() returns what was recorded since the last take."""
-
-    def __init__(self, backends: tuple[str, ...] = ()):
-        self.backends, self.calls, self._saved = tuple(backends), {}, None
-
-    def __enter__(self):
-        if not self.backends:
-            return self
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        orig = F.scaled_dot_product_attention
-        kernel = sdpa_kernel([getattr(SDPBackend, b) for b in self.backends])
-        kernel.__enter__()
-
-        def sdpa(*args, **kw):  # transformers and attention.py look the function up at each call
-            try:
-                return orig(*args, **kw)
-            except RuntimeError as e:
-                if not any(m in str(e) for m in NO_KERNEL):
-                    raise
-                key, text = describe_sdpa_call(args, kw)
-                self.calls.setdefault(key, [0, text])[0] += 1
-                with sdpa_kernel([SDPBackend.MATH]):
-                    return orig(*args, **kw)
-
-        self._saved = (F, orig, kernel)
-        F.scaled_dot_product_attention = sdpa
-        return self
-
-    def __exit__(self, *exc):
-        if self._saved:
-            F, orig, kernel = self._saved
-            F.scaled_dot_product_attention = orig
-            kernel.__exit__(None, None, None)
-            self._saved = None
-        return False
-
-    def take(self) -> str | None:
-        if not self.calls:
-            return None
-        n = sum(c for c, _ in self.calls.values())
-        out = (f"SDPA fell back to the math kernel for {n} call(s) ({'/'.join(self.backends)} could not take them): "
-               + "; ".join(f"{c} x {t}" for c, t in self.calls.values()))
-        self.calls = {}
-        return out
-
-
-def describe_sdpa_call(args, kw) -> tuple[tuple, str]:
-    """(key, text) of one SDPA call: its caller outside torch and this module, shapes, dtype, mask and flags. The
-    key leaves out the lengths, so a generation's decode steps count as one kind of call."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    p = {**dict(zip(names, args)), **kw}
-    q, k, mask = p["query"], p["key"], p.get("attn_mask")
-    site = "?"
-    for f in reversed(traceback.extract_stack()[:-2]):
-        if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__:
-            site = f"{f.filename.split('site-packages/')[-1].split('/src/')[-1]}:{f.lineno}"
-            break
-    flags = f"is_causal={bool(p.get('is_causal'))}, enable_gqa={bool(p.get('enable_gqa'))}"
-    text = (f"{site} (q {'x'.join(map(str, q.shape))}, k {'x'.join(map(str, k.shape))} "
-            f"{str(q.dtype).removeprefix('torch.')}, {'mask' if mask is not None else 'no mask'}, {flags})")
-    return (site, q.shape[1], k.shape[1], q.shape[2] == 1, mask is None, flags, str(q.dtype)), text
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from .. import adapters, attention, ds_config, families, faults, hardware, quiet, reshard
+from ..attention import SdpaGuard, training_backends
 from .. import batch as batchmod
 from ..checkpoint import CommitMarker, describe_failure, discard_after, last_committed, step_of
 from ..config import Recipe
@@ -52,8 +53,11 @@ def worker(r: Recipe) -> None:
     model, n_params, n_trainable = load_model(r, run)
     trainer, safety, metrics, commit = build_trainer(r, run, model, n_params, stop)
     resume = choose_resume(r, run, metrics)
-    elapsed = train_or_stop(r, run, trainer, stop, commit, resume)
-    save_for_finalize(r, run, trainer, n_params, n_trainable, elapsed)
+    # training, validation and samples on CUDA take a fused SDPA kernel or stop naming the call: never the math
+    # kernel's S x S scores, which a new shape or dtype could otherwise fall to without a word
+    with SdpaGuard(training_backends(run.on_gpu), strict=True):
+        elapsed = train_or_stop(r, run, trainer, stop, commit, resume)
+        save_for_finalize(r, run, trainer, n_params, n_trainable, elapsed)
     safety.detach()  # their gradient hooks would keep the Trainer alive (QLoRA: release_training_states)
     metrics.detach()
     stop.end_estimate = lambda: None  # validation's bound method, and through it the Trainer: the signal handler keeps stop
