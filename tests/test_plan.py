@@ -39,8 +39,9 @@ def test_breakdown_sums_to_peak(plan8b):
 
 def test_8b_recommendation(plan8b):
     rec = plan8b.recommended
-    assert rec.seq_len * rec.micro_batch_size * plan8b.cluster.world_size * rec.grad_accum == 62_914_560
-    assert (rec.seq_len, rec.micro_batch_size, rec.grad_accum) == (16384, 1, 480)  # the recipe's own
+    dp = plan8b.cluster.world_size // rec.sequence_parallel
+    assert rec.seq_len * rec.micro_batch_size * dp * rec.grad_accum == 62_914_560
+    assert (rec.seq_len, rec.micro_batch_size, rec.grad_accum, rec.sequence_parallel) == (16384, 1, 480, 1)  # own
     ch = plan8b.choice
     assert (ch.precision, ch.attention, ch.liger) == ("fp16", "sdpa_docs", True)
     # 32K at micro-batch 1 does not fit 32 GB on one GPU without offload (NOTES): its row is split over 2 (Ulysses)

@@ -207,7 +207,10 @@ def test_fused_dpo_loss_equals_the_dpo_formula_and_its_gradients(loss_type, nll_
     ids, mask, labels = _pair_batch()
     ref = torch.tensor([-40.0, -41.0, -45.0, -39.0])
     attach(model, dpo_loss_fn(beta, loss_type, nll_alpha=nll_alpha), chunk=3)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels, ref_logps=ref)
+    # as training feeds it (objective.collate): right-padded rows with positions and no mask; the reference below
+    # keeps the padding mask, so the two agree only if no real token sees a pad
+    out = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).repeat(ids.shape[0], 1), labels=labels,
+                ref_logps=ref)
     out["loss"].backward()
     fused = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -286,7 +289,8 @@ def test_a_micro_batch_puts_chosen_before_rejected_and_finds_their_reference():
              "rejected_labels": [-100, 6, 7, 8], "pair": 2}]
     b = o.collate(rows)
     assert b["input_ids"].tolist() == [[1, 2, 3, 0], [4, 5, 0, 0], [1, 9, 0, 0], [4, 6, 7, 8]]
-    assert b["attention_mask"].sum(1).tolist() == [3, 2, 2, 4] and b["pair"].tolist() == [5, 2]
+    # right-padded rows of one document each: positions, no mask (the causal path keeps real tokens off the pads)
+    assert "attention_mask" not in b and b["position_ids"].tolist() == [[0, 1, 2, 3]] * 4 and b["pair"].tolist() == [5, 2]
     o.reference = {"train": torch.arange(20, dtype=torch.float64).reshape(10, 2)}
     assert o.ref_logps("train", b["pair"], "cpu").tolist() == [10.0, 4.0, 11.0, 5.0]
 

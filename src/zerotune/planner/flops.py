@@ -12,7 +12,7 @@ from ..config import Recipe
 from .memory import attention_has_mask
 
 
-def attention_kind(attention: str, packing: bool, micro: int) -> str:
+def attention_kind(attention: str, packing: bool, micro: int, padded: bool | None = None) -> str:
     """What the attention kernel computes per row. "per_document": sdpa_docs (attention.py) on packed rows, SDPA's
     causal kernel once per document; "varlen": flash_attention_2 with sequence boundaries; both compute each
     document's own triangle (sum of d^2 / 2 per row). "causal": SDPA/eager with no mask: SDPA takes its is_causal
@@ -25,7 +25,7 @@ def attention_kind(attention: str, packing: bool, micro: int) -> str:
         return "varlen"
     if attention == "eager":
         return "dense"  # eager always multiplies out all S x S scores and masks them afterwards
-    if attention_has_mask(attention, packing, micro):
+    if attention_has_mask(attention, packing, micro, padded):
         return "dense"
     return "per_document" if attention == "sdpa_docs" and packing else "causal"
 
@@ -57,7 +57,7 @@ def flops_per_step(r: Recipe, shape, seq, micro: int, attention: str, docs: dict
     ckpt = r.train.gradient_checkpointing
     dense = 6 * N * T
     recompute = 2 * N * T if ckpt else 0
-    kind = attention_kind(attention, r.data.packing, micro)
+    kind = attention_kind(attention, r.data.packing, micro, padded=False if r.pairs else None)  # pairs: no mask
     doc = min(seq, docs["p50"]) if docs and docs.get("p50") else seq
     span_of, span_from = (attention_span(docs, seq) if kind in ("varlen", "per_document") else (None, None))
     span = {"varlen": 2 * (span_of or 0), "per_document": 2 * (span_of or 0), "causal": 2 * (seq if r.data.packing else doc),

@@ -237,9 +237,10 @@ def activation_bytes(m: ModelShape, micro: int, seq: int, dtype_bytes: int, atte
             "forward_end": fwd_end, "saved_peak": peak}
 
 
-def persistent_mask_bytes(micro: int, seq: int, dtype_bytes: int, attention: str, packing: bool) -> int:
+def persistent_mask_bytes(micro: int, seq: int, dtype_bytes: int, attention: str, packing: bool,
+                          padded: bool | None = None) -> int:
     """The mask transformers builds once per forward and every layer reads (not a saved tensor)."""
-    if not attention_has_mask(attention, packing, micro):
+    if not attention_has_mask(attention, packing, micro, padded):
         return 0
     return micro * seq * seq * (dtype_bytes if attention == "eager" else 1)  # eager: additive float; sdpa: bool
 
@@ -490,7 +491,9 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     # QLoRA: prepare_model_for_kbit_training casts every non-4-bit 16-bit parameter to fp32 (peft 0.21.2
     # peft/utils/other.py:204-209), embeddings included, so the residual stream runs in fp32 under autocast.
     res = 4 if peft is not None and peft[0] == "qlora" else e
-    act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger, residual_bytes=res,
+    # DPO's pairs are right-padded without a mask (preference/objective.py collate): no mask, is_causal
+    padded = False if preference_chunk is not None else None
+    act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger, padded=padded, residual_bytes=res,
                            fused_loss=preference_chunk is not None)
     parts = {"model states (DeepSpeed estimator)": states}
     buffers = deepspeed_buffers(m, zero, world, e)
@@ -502,7 +505,7 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
         parts["one-layer recompute"] = act["recompute"] + micro * seq * (e * m.intermediate + res * 2 * m.hidden)
     else:
         parts["activations (all layers)"] = act["forward_end"] - act["loss_saved"]
-    parts["attention mask"] = persistent_mask_bytes(micro, seq, e, attention, packing)
+    parts["attention mask"] = persistent_mask_bytes(micro, seq, e, attention, packing, padded)
     if sequence_parallel > 1:
         parts["Ulysses all-to-all copies (one layer)"] = ulysses_bytes(m, micro * seq, e, sequence_parallel)
     # The in-flight micro-batch's input_ids are already counted with the activations (act["small"]: the

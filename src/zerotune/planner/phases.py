@@ -267,15 +267,15 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
             ("lower data.seq_len or use more GPUs (plan.gpus_per_node, plan.nodes)" if liger else
              "set train.liger=on (fused loss, no logits) or lower data.seq_len"), runs=validation_runs)
     else:
-        # DPO: a micro-batch of pairs (micro rows, padded: a (rows, 1, S, S) mask) per no-grad forward, the
-        # completions' log-probs chunked (preference/reference.py pair_logps). The reference pass runs before the
-        # first step (no micro-batches fetched yet); validation between steps (they are still bound).
+        # DPO: a micro-batch of pairs (micro rows, right-padded without a mask: preference/objective.py collate) per
+        # no-grad forward, the completions' log-probs chunked (preference/reference.py pair_logps). The reference pass
+        # runs before the first step (no micro-batches fetched yet); validation between steps (they are still bound).
         T = micro * seq
         c = min(preference_chunk, T)
         fused = (e * T * m.hidden + 8 * c * m.vocab + 4 * T, f"fused DPO log-probs: {c:,}-token fp32 logits chunk")
-        pair_fwd = {"pair rows (input_ids, labels, attention_mask)": 3 * 8 * T,
-                    "attention mask": persistent_mask_bytes(micro, seq, e, attention, False),
-                    **nograd_forward_parts(m, T, e, mask=(micro, seq, seq), liger=liger, on_gpu=on_gpu, loss=fused)}
+        pair_fwd = {"pair rows (input_ids, labels, position_ids)": 3 * 8 * T,
+                    **nograd_forward_parts(m, T, e, mask=None, liger=liger, on_gpu=on_gpu, loss=fused,
+                                           repeat_kv=docs)}
         before = {k: v for k, v in resident.items() if k != "GA micro-batches (still bound)"}
         out["reference"] = gpu_phase(
             {**before, **gathering, **pair_fwd}, gpu_capacity, world, on_gpu,

@@ -143,11 +143,12 @@ def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float = 0.0, nll_a
     return fn
 
 
-def pair_forward(model, input_ids, attention_mask, labels, ref_logps=None, loss_fn=None, chunk: int = 1024):
+def pair_forward(model, input_ids, position_ids, labels, ref_logps=None, loss_fn=None, chunk: int = 1024):
     """The decoder, then the completions' log-probs (ref_logps None: no grad, e.g. the reference pass) or the DPO loss.
-    Runs inside the top module's forward (attach), where ZeRO-3 gathered lm_head's weight."""
+    Runs inside the top module's forward (attach), where ZeRO-3 gathered lm_head's weight. The rows are right-padded
+    and carry no mask (objective.collate): the causal path keeps every real token from the pads after it."""
     body = getattr(model, model.base_model_prefix)
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden = body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
     rows, pos, targets = label_positions(labels)
     weight = model.get_output_embeddings().weight
     softcap = getattr(model.config, "final_logit_softcapping", None)
@@ -172,7 +173,7 @@ def attach(model, loss_fn, chunk: int) -> None:
     def forward(*args, pair_logps: bool = False, ref_logps=None, **kw):
         if not pair_logps and ref_logps is None:
             return own(*args, **kw)
-        return pair_forward(model, kw["input_ids"], kw.get("attention_mask"), kw["labels"], ref_logps, loss_fn, chunk)
+        return pair_forward(model, kw["input_ids"], kw.get("position_ids"), kw["labels"], ref_logps, loss_fn, chunk)
 
     # generate() reads the forward's signature (transformers generation/utils.py: logits_to_keep, position ids from
     # the mask for left-padded prompts): it must see the model's own parameters, with the two added

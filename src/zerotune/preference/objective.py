@@ -53,8 +53,10 @@ class Objective:
                 + [(row["rejected_input_ids"], row["rejected_labels"]) for row in rows])
         n = max(len(ids) for ids, _ in seqs)
         pad = [n - len(ids) for ids, _ in seqs]
+        # right-padded, so no real token sees a pad under the causal path: no attention mask (a (rows, 1, S, S) one
+        # would take SDPA off is_causal and cost rows x S x S bytes per layer); each row is one document
         return {"input_ids": torch.tensor([list(ids) + [self.pad_id] * k for (ids, _), k in zip(seqs, pad)]),
-                "attention_mask": torch.tensor([[1] * len(ids) + [0] * k for (ids, _), k in zip(seqs, pad)]),
+                "position_ids": torch.arange(n).repeat(len(seqs), 1),
                 "labels": torch.tensor([list(lab) + [lossmod.IGNORE] * k for (_, lab), k in zip(seqs, pad)]),
                 "pair": torch.tensor([row["pair"] for row in rows])}
 

@@ -69,10 +69,10 @@ def _hf_logps(model_dir: Path, pairs: list[tuple]) -> list[tuple[float, float]]:
             n = max(len(c_ids), len(r_ids))
             ids = torch.full((2, n), tok.pad_token_id or 0, dtype=torch.long)
             labels = torch.full((2, n), -100, dtype=torch.long)
-            mask = torch.zeros((2, n), dtype=torch.long)
             for k, (i, lab) in enumerate(((c_ids, c_lab), (r_ids, r_lab))):
-                ids[k, :len(i)], labels[k, :len(i)], mask[k, :len(i)] = (torch.as_tensor(i), torch.as_tensor(lab), 1)
-            lp = pair_forward(model, ids.to(device), mask.to(device), labels.to(device))["logps"]
+                ids[k, :len(i)], labels[k, :len(i)] = torch.as_tensor(i), torch.as_tensor(lab)
+            pos = torch.arange(n).repeat(2, 1)  # right-padded rows, no mask: as training forwards them (collate)
+            lp = pair_forward(model, ids.to(device), pos.to(device), labels.to(device))["logps"]
             out.append((float(lp[0]), float(lp[1])))
     del model
     return out
