@@ -188,6 +188,7 @@ def test_qwen3_8b_plan_on_one_v100_node():
 
     p = compute_plan(load_recipe("qwen3_8b_zero3"))
     assert p.recipe_batch.fits and p.choice.precision == "fp16" and p.model.family == "qwen3"
+    # why the recipe runs 8K rows, not llama8b_zero3's 16K (its comment says so): a 16K row needs two GPUs
     sixteen = next(o for o in p.options if o.seq_len == 16384 and o.micro_batch_size == 1)
     # why the recipe runs 8K rows, not llama8b_zero3's 16K (its comment says so): a 16K row needs 2 GPUs
     assert sixteen.fits and sixteen.sequence_parallel == 2

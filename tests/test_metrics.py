@@ -51,3 +51,34 @@ def test_label_tokens_are_counted_per_step_not_estimated(tmp_path):
     state.global_step = 2
     cb.on_step_end(args, state, None)
     assert cb.rows[-1]["label_tokens"] == 0  # reset every step
+
+
+def test_tokens_and_mfu_are_what_the_micro_batches_processed(tmp_path):
+    """Issue 53 (1): tokens/s and MFU from what each micro-batch carried, not the planned bound: a DPO pair row
+    right-padded to its own length is not 2 x seq_len, and a packed row's documents attend to themselves, not to the
+    whole row. Two micro-batches: a packed row of documents 10 + 6, and two padded rows of 12."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zerotune.metrics import attention_squares
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64)).train()
+    shape = (1000, 1, 32)  # (parameters, layers, hidden): any numbers the formula can be checked against
+    cb = StepMetrics(tmp_path / "m.jsonl", tokens_per_step=4096, label_fraction=1.0, flops_tok=1e9,
+                     peak_tflops=1e-6, world_size=1)  # a peak of 1 MFLOP/s: the MFU a few units, not rounded away
+    cb.count_labels(model, shape)
+    packed = torch.randint(0, 64, (1, 16))
+    pos = torch.cat([torch.arange(10), torch.arange(6)])[None]
+    assert attention_squares(packed, pos) == 10 ** 2 + 6 ** 2 and attention_squares(packed) == 16 ** 2
+    model(input_ids=packed, position_ids=pos, labels=packed)
+    padded = torch.randint(0, 64, (2, 12))
+    model(input_ids=padded, labels=padded)
+    args, state = SimpleNamespace(fp16=False, device=torch.device("cpu")), SimpleNamespace(global_step=1)
+    cb.on_step_begin(args, state, None)
+    sum(range(3_000_000))  # tens of ms: step_time_s is rounded to 0.1 ms
+    cb.on_step_end(args, state, None)
+    row = cb.rows[-1]
+    tokens, squares = 16 + 24, 10 ** 2 + 6 ** 2 + 2 * 12 ** 2
+    assert row["tokens_per_s"] == pytest.approx(tokens / row["step_time_s"], rel=1e-2)  # not 4096 / step
+    flops = 6 * 1000 * tokens + 6 * 1 * 32 * squares
+    assert row["mfu"] == pytest.approx(flops / row["step_time_s"] / 1e6, rel=1e-2)

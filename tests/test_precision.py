@@ -31,7 +31,7 @@ def test_deepspeed_config_takes_the_scale_from_the_batch_plan():
     r = load_recipe("llama8b_zero3")
     bp = derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, 8)
     fp16 = build(r, bp, 30)["fp16"]
-    assert fp16["initial_scale_power"] == 16 + min(8, (bp.grad_accum - 1).bit_length())
+    assert fp16["initial_scale_power"] == 16 + min(8, bp.grad_accum.bit_length() - 1)  # floor(log2 GA), capped
     assert fp16["loss_scale_window"] == 10
     assert fp16["enabled"] == "auto"  # the Trainer's key stays the Trainer's
     plain = build(r)["fp16"]  # no batch plan (planning before data): DeepSpeed's defaults, never "auto"
@@ -291,3 +291,27 @@ def test_fp16_without_deepspeed_gets_the_same_scale_rule():
 
     s = amp_grad_scaler(16, 300, device="cpu")
     assert s.get_scale() == 2.0 ** 20 and s.get_growth_interval() == 30
+
+
+def test_a_pair_objective_starts_with_the_headroom_sft_has():
+    """Issue 53 (2): the scale is DeepSpeed's 2^16 over what a micro-step weighs on its label tokens' log-probs
+    (ds_config.micro_step_weight), not over 1/GA alone: a DPO token weighs beta x sigma / (pairs x GA), several times
+    an SFT token's at the same GA, and fp16's gradient would overflow in the first steps under SFT's scale."""
+    from zerotune.ds_config import micro_step_weight
+
+    r = load_recipe("llama8b_dpo_zero3")  # beta 0.01, no NLL term
+    bp = derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, 8, 2)
+    ga = bp.grad_accum
+    for beta, alpha, labels in ((0.01, 0.0, 300), (0.1, 0.0, 300), (0.1, 0.5, 800)):
+        rr = load_recipe("llama8b_dpo_zero3", [f"preference.beta={beta}", f"preference.nll_alpha={alpha}"])
+        w = micro_step_weight(rr, ga, labels)
+        assert w == pytest.approx((beta * 0.5 * 2 * labels + alpha) / ga)  # the formula
+        power, _ = loss_scale(ga, 100, w)
+        # the headroom a mean-normalised micro-batch has at DeepSpeed's 2^16, rounded down to a power of two
+        assert 2 ** 15 < 2 ** power * w <= 2 ** 16, (beta, alpha, labels, power)
+        assert build(rr, bp, 100, label_tokens_per_row=labels)["fp16"]["initial_scale_power"] == power
+    # SFT's rule at this GA (2^20) would start beta 0.1's 300-token rows 2^20 x 1.875 = 30x past that headroom
+    sft_power = loss_scale(ga, 100)[0]
+    w = micro_step_weight(load_recipe("llama8b_dpo_zero3", ["preference.beta=0.1"]), ga, 300)
+    assert sft_power == 20 and 2 ** sft_power * w > 16 * 2 ** 16 and loss_scale(ga, 100, w)[0] == 15
+    assert micro_step_weight(load_recipe("llama8b_zero3"), 480) == 1 / 480  # SFT: 1 / GA, as before

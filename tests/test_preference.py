@@ -444,3 +444,33 @@ def test_a_completion_that_is_json_text_stays_text():
     assert doc.conv.chosen == [msg(A, row["chosen"])] and doc.conv.rejected == [msg(A, row["rejected"])]
     as_text = {**row, "chosen": json.dumps([msg(A, "x")])}  # a message list stored as JSON text (a CSV cell)
     assert read_row(as_text, "preference", {}, "t").conv.chosen == [msg(A, "x")]
+
+
+def test_the_dpo_plan_and_its_reference_gate_take_the_prepared_pairs_padded_rows(tmp_path):
+    """Issue 53 (1): a pair is padded to its own longer row, not to seq_len. Before `make data` the plan times DPO at
+    the seq_len bound and says so; with the data manifest's mean padded row it times the step, the reference pass
+    and validation at that length (what the launcher's reference-pass gate reads), and the fp16 scale at the
+    measured label tokens. Memory stays at the bound: the longest micro-batch sets the peak."""
+    from zerotune import manifest as mf
+    from zerotune.config import load_recipe
+    from zerotune.layout import layout
+    from zerotune.planner.compute import compute_plan
+    from zerotune.planner.report import dry_run
+
+    r = load_recipe("llama8b_dpo_zero3", [f"output_dir={tmp_path}"])
+    before = compute_plan(r)
+    assert before.time.row_tokens_from.startswith("the data.seq_len bound")
+    assert before.time.tokens_per_step == r.train.global_batch_tokens
+    mf.write(layout(r).data_manifest, {  # as make data writes it for 60,000 pairs of ~800 tokens, 300 labels a row
+        "sequences": {"train": 60000, "eval": 600}, "tokens": {"train_label": 60000 * 2 * 300},
+        "packing": {"enabled": False, "seq_len": 4096}, "doc_length": {"p50": 700, "p99": 3000},
+        "pairs": {"train": 60000, "eval": 600, "padded_row_tokens_mean": 800.0}})
+    after = compute_plan(r)
+    assert after.time.row_tokens_from.startswith("the prepared pairs' mean padded row")
+    assert after.time.tokens_per_step == pytest.approx(r.train.global_batch_tokens * 800 / 4096)
+    assert after.time.seconds_per_step < before.time.seconds_per_step / 4
+    ref_b, ref_a = before.phases.reference.time, after.phases.reference.time
+    assert ref_a.per_row_s < ref_b.per_row_s / 4 and ref_a.seconds is not None
+    assert after.memory.peak_bytes == before.memory.peak_bytes
+    assert after.data.label_tokens_per_row == 300
+    assert "300 label tokens per row)" in dry_run(after, r) and "assumed until `make data`" in dry_run(before, r)

@@ -29,11 +29,39 @@ MAX_EXTRA_SCALE_POWER = 8
 MIN_LOSS_SCALE_WINDOW = 10  # fewer steps between growth attempts would mostly buy overflows and skipped steps
 
 
-def loss_scale(grad_accum: int | None, steps: int | None) -> tuple[int, int]:
-    """(initial_scale_power, loss_scale_window) for fp16 dynamic loss scaling."""
+# A preference pair's completion tokens before `make data` has counted them (the data manifest's label tokens per
+# row after it): Llama-3.1's UltraFeedback answers run ~300 tokens; a power of two above, stated where it is used.
+ASSUMED_LABEL_TOKENS_PER_ROW = 512
+DPO_START_SIGMOID = 0.5  # sigma(-beta x margin) at the first steps: the policy starts as the reference, margin 0
+
+
+def micro_step_weight(r: Recipe, grad_accum: int, label_tokens_per_row: float | None = None) -> float:
+    """What one micro-batch's loss weighs on its label tokens' log-probabilities, summed, relative to a loss that
+    is the mean over the micro-batch's own label tokens (an SFT micro-batch at GA 1: 1). The fp16 scale divides by
+    it (loss_scale), so every objective starts with DeepSpeed's default headroom.
+
+    SFT: each token weighs 1 / (GA x its micro-batch's labels) (the Trainer's global normalisation): 1 / GA.
+    DPO (preference/loss.py, the Trainer dividing the pair mean by GA): each completion token's log-probability
+    weighs beta x sigma(-z) / (pairs x GA), sigma = DPO_START_SIGMOID at the start; the micro-batch holds
+    2 x pairs x label_tokens_per_row of them: beta x sigma x 2 x label_tokens_per_row / GA. The NLL term
+    (preference.nll_alpha, a mean over the chosen tokens) adds nll_alpha / GA."""
+    if not r.pairs:
+        return 1 / grad_accum
+    labels = label_tokens_per_row or ASSUMED_LABEL_TOKENS_PER_ROW
+    p = r.preference
+    return (p.beta * DPO_START_SIGMOID * 2 * labels + p.nll_alpha) / grad_accum
+
+
+def loss_scale(grad_accum: int | None, steps: int | None, weight: float | None = None) -> tuple[int, int]:
+    """(initial_scale_power, loss_scale_window) for fp16 dynamic loss scaling. weight: micro_step_weight (default
+    1 / grad_accum, SFT's): DeepSpeed's 2^16 over it, rounded down to a power of two (never more headroom used
+    than DeepSpeed's default gives a mean-normalised loss), within MAX_EXTRA_SCALE_POWER powers either way."""
     power = DS_INITIAL_SCALE_POWER
-    if grad_accum and grad_accum > 1:
-        power += min(MAX_EXTRA_SCALE_POWER, math.ceil(math.log2(grad_accum)))
+    if weight is None and grad_accum and grad_accum > 1:
+        weight = 1 / grad_accum
+    if weight:
+        extra = math.floor(-math.log2(weight) + 1e-9)  # 1/GA at a power of two: exactly log2(GA)
+        power += max(-MAX_EXTRA_SCALE_POWER, min(MAX_EXTRA_SCALE_POWER, extra))
     window = DS_LOSS_SCALE_WINDOW
     if steps:
         # DeepSpeed doubles the scale after `window` overflow-free steps: with 1000 a fine-tuning run of a
@@ -42,10 +70,12 @@ def loss_scale(grad_accum: int | None, steps: int | None) -> tuple[int, int]:
     return power, window
 
 
-def build(r: Recipe, bp=None, steps: int | None = None, load_universal: bool = False) -> dict | None:
+def build(r: Recipe, bp=None, steps: int | None = None, load_universal: bool = False,
+          label_tokens_per_row: float | None = None) -> dict | None:
     """bp: the batch.BatchPlan of this run; steps: optimizer steps. Without them (planning before data
     exists) the fp16 scale keys fall back to DeepSpeed's defaults. load_universal: this run resumes from a
-    universal conversion (reshard.py; read by engine.load_checkpoint, deepspeed runtime/engine.py:1712)."""
+    universal conversion (reshard.py; read by engine.load_checkpoint, deepspeed runtime/engine.py:1712).
+    label_tokens_per_row: the prepared data's (micro_step_weight; a preference run's scale depends on it)."""
     if r.train.deepspeed is None:
         return None
     path = resolve_path(r.train.deepspeed)
@@ -73,7 +103,8 @@ def build(r: Recipe, bp=None, steps: int | None = None, load_universal: bool = F
         cfg["checkpoint"] = {**cfg.get("checkpoint", {}), "load_universal": True}
     fp16 = cfg.get("fp16")
     if isinstance(fp16, dict):
-        power, window = loss_scale(bp.grad_accum if bp else None, steps)
+        power, window = loss_scale(bp.grad_accum if bp else None, steps,
+                                   micro_step_weight(r, bp.grad_accum, label_tokens_per_row) if bp else None)
         # Only zerotune's "auto": a number written in a user's JSON is their choice and stays.
         if fp16.get("initial_scale_power") == "auto":
             fp16["initial_scale_power"] = power

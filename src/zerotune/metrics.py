@@ -26,6 +26,27 @@ def flops_per_token(n_params: int, n_layers: int, hidden: int, seq_len: int) -> 
     return 6 * n_params + 6 * n_layers * hidden * seq_len
 
 
+def attention_squares(input_ids, position_ids=None) -> int:
+    """Sum over the micro-batch's attended spans of length^2: each document where the position ids restart (packed
+    rows: what sdpa_docs and FlashAttention's varlen attend), else each row whole (padded rows: their padded
+    length, which the kernel computes). Under sequence parallelism the slice's own ids: a document cut by the slice
+    boundary counts as two (a lower bound)."""
+    import torch
+
+    rows, n = input_ids.shape
+    if position_ids is None:
+        return rows * n * n
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).long()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    total = 0
+    for row in starts.cpu():
+        s = torch.nonzero(row).flatten()
+        lengths = torch.diff(torch.cat([s, torch.tensor([n])]))
+        total += int((lengths.long() ** 2).sum())
+    return total
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -143,6 +164,8 @@ class StepMetrics(TrainerCallback):
         self.counting = False
         self.watching_grads = False
         self._grad_zero, self._grad_total = None, 0  # zero gradient elements / all, this step, this rank
+        self.shape = None  # (parameters, layers, hidden) when count_labels counts what each micro-batch processes
+        self._tokens, self._squares = 0, 0  # this step, this rank: tokens processed, attention's sum of spans^2
         self.rows: list[dict] = []
         self.progress: Progress | None = None
 
@@ -160,14 +183,23 @@ class StepMetrics(TrainerCallback):
         self._hooks.clear()
         self.trainer = None
 
-    def count_labels(self, model) -> None:
+    def count_labels(self, model, shape: tuple[int, int, int] | None = None) -> None:
         """Count the label tokens each micro-batch really carries (the data set's average fraction misleads on
-        short runs: a 1,024-token packed row held 611 to 921 label tokens in the benchmark)."""
+        short runs: a 1,024-token packed row held 611 to 921 label tokens in the benchmark). shape: (parameters,
+        layers, hidden): also count the tokens each micro-batch processes (padding included) and the model FLOPs
+        of their attention as it runs (attention_squares), so tokens/s and MFU are what ran, not the planned bound
+        (a DPO pair's 2 x seq_len; a full row's attention where documents attend to themselves)."""
+        self.shape = shape
+
         def hook(module, args, kwargs):
             labels = kwargs.get("labels")
             if module.training and labels is not None:
                 n = (labels != -100).sum()
                 self._labels = n if self._labels is None else self._labels + n
+                ids = kwargs.get("input_ids")
+                if shape is not None and ids is not None:
+                    self._tokens += ids.numel()
+                    self._squares += attention_squares(ids, kwargs.get("position_ids"))
 
         self._hooks.append(model.register_forward_pre_hook(hook, with_kwargs=True))
         self.counting = True
@@ -232,14 +264,19 @@ class StepMetrics(TrainerCallback):
         dt = now - (self._t0 or now)
         self._t0 = now
         (mem,) = over_ranks([peak_memory_bytes(args.device)], "max", args.device)
-        labels, grad_zero, grad_total = over_ranks(
+        labels, grad_zero, grad_total, tokens, squares = over_ranks(
             [self._labels if self._labels is not None else 0, self._grad_zero if self._grad_zero is not None else 0,
-             self._grad_total], "sum", args.device)
-        self._labels, self._grad_zero, self._grad_total = None, None, 0
+             self._grad_total, self._tokens, self._squares], "sum", args.device)
+        self._labels, self._grad_zero, self._grad_total, self._tokens, self._squares = None, None, 0, 0, 0
         n_labels = labels if self.counting else self.tokens_per_step * self.label_fraction
+        if self.shape is None or not tokens:  # what the step was planned to process
+            tokens, flops = self.tokens_per_step, self.flops_tok * self.tokens_per_step
+        else:  # what it processed: 6N per token + 12 L d per causal (query, key) pair, half of each span^2
+            n_params, layers, hidden = self.shape
+            flops = 6 * n_params * tokens + 6 * layers * hidden * squares
         row = {"step": state.global_step, "step_time_s": round(dt, 4),
-               "tokens_per_s": round(self.tokens_per_step / dt, 1) if dt > 0 else None,
-               "tokens_per_s_per_rank": round(self.tokens_per_step / dt / self.world, 1) if dt > 0 else None,
+               "tokens_per_s": round(tokens / dt, 1) if dt > 0 else None,
+               "tokens_per_s_per_rank": round(tokens / dt / self.world, 1) if dt > 0 else None,
                "label_tokens": int(n_labels),
                "label_tokens_per_s": round(n_labels / dt, 1) if dt > 0 else None,
                "peak_mem_gib_max_rank": round(mem / 2**30, 3)}
@@ -248,7 +285,7 @@ class StepMetrics(TrainerCallback):
         if self.safety is not None:
             row.update(self.safety.found)  # lm_head_grad_nonfinite, lm_head_grad_nonfinite_unscaled
         if self.peak and dt > 0:
-            row["mfu"] = round(self.flops_tok * self.tokens_per_step / dt / (self.peak * 1e12 * self.world), 4)
+            row["mfu"] = round(flops / dt / (self.peak * 1e12 * self.world), 4)
         eng = deepspeed_engine(self.trainer)
         if eng is not None and args.fp16:
             scaler = fp16_scaler(eng)

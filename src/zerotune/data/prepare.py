@@ -478,11 +478,15 @@ def prepare(r: Recipe, rebuild: bool = False, histogram: bool = True) -> dict:
 
 
 def _pair_counts(lengths, n_labels, train_idx, eval_idx) -> dict:
-    """Preference pairs in the manifest: how many per split, and the completions' label tokens (chosen, rejected)."""
+    """Preference pairs in the manifest: how many per split, the completions' label tokens (chosen, rejected), and
+    the mean padded row: a pair's chosen and rejected rows are padded to the longer of the two (a micro-batch of one
+    pair: preference/objective.py collate), what the planner times a step and the reference pass with."""
+    padded = np.maximum(lengths[2 * train_idx], lengths[2 * train_idx + 1]) if len(train_idx) else np.zeros(1)
     return {"train": len(train_idx), "eval": len(eval_idx),
             "chosen_label_tokens": int(n_labels[2 * train_idx].sum()),
             "rejected_label_tokens": int(n_labels[2 * train_idx + 1].sum()),
-            "longest_row": int(lengths.max()) if len(lengths) else 0}
+            "longest_row": int(lengths.max()) if len(lengths) else 0,
+            "padded_row_tokens_mean": round(float(padded.mean()), 1)}
 
 
 def _nothing_usable(r: Recipe, info: dict) -> str:

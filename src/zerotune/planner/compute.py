@@ -111,7 +111,8 @@ def data_steps(t: Target, batch: RecipeBatch) -> DataSteps:
     n = man["sequences"]["train"]
     return DataSteps(train_sequences=n, eval_sequences=man["sequences"].get("eval"),
                      sequences_per_step=bp.sequences_per_step, steps_per_epoch=bp.steps_per_epoch(n),
-                     total_steps=bp.total_steps(n, r.train.max_steps, r.train.epochs))
+                     total_steps=bp.total_steps(n, r.train.max_steps, r.train.epochs),
+                     label_tokens_per_row=(t.docs or {}).get("label_tokens_per_row"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,6 +159,8 @@ def with_times(t: Target, phases: Phases, time: StepTime, disk: Disk, data: Data
     r = t.r
     sets = r.eval_sets()
     seq = r.data.seq_len
+    if r.pairs:  # DPO's rows as they run (padded to the pair's longer row), not the seq_len bound: Target.row_tokens
+        seq = int(t.row_tokens(seq)[0])
     span = time.attention_span or (seq / 2 if time.attention_kind == "causal" else seq)
     rows = t.rows(r.train.micro_batch_size)
     times = timemodel.phase_times(

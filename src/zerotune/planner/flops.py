@@ -46,23 +46,29 @@ def attention_span(docs: dict | None, seq: int) -> tuple[float, str]:
                                                      "bench chats: 786, rounded up")
 
 
-def flops_per_step(r: Recipe, shape, seq, micro: int, attention: str, docs: dict | None) -> dict:
+def flops_per_step(r: Recipe, shape, seq, micro: int, attention: str, docs: dict | None,
+                   row: float | None = None) -> dict:
     """FLOPs per optimizer step, counting all executed FLOPs.
 
     Attention per token per layer, forward: 2 x S x q_dim for causal (QK^T and PV over half the matrix),
     4 x S x q_dim with a dense mask (the whole matrix), 2 x D x q_dim per document (varlen, per_document), where D is
     the token-weighted span sum(d^2) / sum(d) (attention_span). x3 for forward + backward, x4 with recompute.
-    Unpacked rows hold one document each, so S is the document length there too (the prepared data's median)."""
+    Unpacked rows hold one document each, so S is the document length there too (the prepared data's median).
+    row: DPO's tokens per row as they run (Target.row_tokens): the global batch counts 2 x seq_len per pair, the
+    bound; a step processes 2 x row per pair, each row one document of row tokens."""
     T, N, L = r.train.global_batch_tokens, shape.n_params, shape.layers
+    if r.pairs and row:
+        T = T * row / seq
     ckpt = r.train.gradient_checkpointing
     dense = 6 * N * T
     recompute = 2 * N * T if ckpt else 0
     kind = attention_kind(attention, r.data.packing, micro, padded=False if r.pairs else None)  # pairs: no mask
-    doc = min(seq, docs["p50"]) if docs and docs.get("p50") else seq
+    doc = row if r.pairs and row else min(seq, docs["p50"]) if docs and docs.get("p50") else seq
     span_of, span_from = (attention_span(docs, seq) if kind in ("varlen", "per_document") else (None, None))
     span = {"varlen": 2 * (span_of or 0), "per_document": 2 * (span_of or 0), "causal": 2 * (seq if r.data.packing else doc),
             "dense": 4 * (seq if r.data.packing else doc)}[kind]
     attention = (4 if ckpt else 3) * span * shape.q_dim * L * T
-    return {"flops_per_step": dense + recompute + attention, "flops_dense": dense, "flops_recompute": recompute,
+    return {"tokens_per_step": T, "flops_per_step": dense + recompute + attention, "flops_dense": dense,
+            "flops_recompute": recompute,
             "flops_attention": attention, "attention_kind": kind, "attention_span": span_of,
             "attention_span_from": span_from}

@@ -248,6 +248,8 @@ class NodeTable:
 @dataclass(frozen=True)
 class StepTime:
     """FLOPs of one optimizer step and, where the target has figures, its seconds by term (planner/time.py)."""
+    tokens_per_step: float  # processed: the global batch, or DPO's pairs as padded (row_tokens_from)
+    row_tokens_from: str | None  # DPO: where the rows' length comes from; None: rows of seq_len
     flops_per_step: float
     flops_dense: float
     flops_recompute: float
@@ -317,6 +319,7 @@ class DataSteps:
     sequences_per_step: int | None = None
     steps_per_epoch: int | None = None
     total_steps: int | None = None
+    label_tokens_per_row: float | None = None  # the fp16 loss scale of a preference objective reads it
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,9 @@ def format_time(p: Plan) -> list[str]:
     t, c, rb = p.time, p.cluster, p.recipe_batch
     lines = [f"\ntime: {t.flops_per_step:.3g} FLOPs per optimizer step (6NT {t.flops_dense:.3g}, "
              f"recompute {t.flops_recompute:.3g}, attention {t.flops_attention:.3g} {t.attention_kind})"]
+    if t.row_tokens_from:
+        lines.append(f"  pairs: each row {t.tokens_per_step / rb.global_batch_tokens * rb.seq_len:,.0f} tokens as "
+                     f"padded ({t.row_tokens_from}): {t.tokens_per_step:,.0f} tokens per step")
     if t.attention_span:
         lines.append(f"  attention per document ({p.choice.attention}): each token attends over "
                      f"{t.attention_span:,.0f} tokens on average ({t.attention_span_from}), not the whole "
@@ -142,7 +145,7 @@ def format_time(p: Plan) -> list[str]:
     for k, v in t.terms.items():
         lines.append(f"  {k:<14} {_h(v):>10} {v / total:6.1%}  {why[k]}")
     lines.append(f"  {'total':<14} {_h(total):>10}         = "
-                 f"{total / rb.global_batch_tokens * 1e6:.1f} us per token; dominated by {t.dominant}")
+                 f"{total / t.tokens_per_step * 1e6:.1f} us per token; dominated by {t.dominant}")
     nt = t.nodes
     if not nt:
         return lines
@@ -159,7 +162,7 @@ def format_time(p: Plan) -> list[str]:
         for name in nt.clusters:
             e = row.on(name)
             hp = f"{e.hpz_seconds_per_step / 3600:6.2f}" if e.hpz_seconds_per_step is not None else f"{'-':>6}"
-            us = e.seconds_per_step / rb.global_batch_tokens * 1e6
+            us = e.seconds_per_step / t.tokens_per_step * 1e6
             line += (f" | {e.seconds_per_step / 3600:>12.2f} {us:>6.1f}"
                      f" {e.speedup:>6.2f}x {e.terms.communication / e.seconds_per_step:>5.1%} {hp}")
         lines.append(line)
@@ -337,9 +340,13 @@ def plot_memory(p: Plan, path) -> None:
     plt.close(fig)
 
 
-def _loss_scale_note(ga, steps) -> str:
-    power, window = ds_config.loss_scale(ga, steps)
-    return (f" (DeepSpeed loss scale from 2^{power} for GA {ga}, doubled after {window} overflow-free steps"
+def _loss_scale_note(r: Recipe, ga: int, steps: int | None, label_tokens_per_row: float | None) -> str:
+    weight = ds_config.micro_step_weight(r, ga, label_tokens_per_row)
+    power, window = ds_config.loss_scale(ga, steps, weight)
+    what = (f"a DPO micro-step weighs {weight:.3g} of a mean-normalised one (beta {r.preference.beta}, "
+            f"{label_tokens_per_row or ds_config.ASSUMED_LABEL_TOKENS_PER_ROW:,.0f} label tokens per row"
+            f"{'' if label_tokens_per_row else ' assumed until `make data`'})" if r.pairs else f"GA {ga}")
+    return (f" (DeepSpeed loss scale from 2^{power} for {what}, doubled after {window} overflow-free steps"
             f"{'' if steps else '; run length unknown before prepare'})")
 
 
@@ -351,7 +358,8 @@ def dry_run(p: Plan, r: Recipe) -> str:
     lines = [f"dry run: {r.name} (nothing launched)",
              f"  target         {c.nodes} node(s) x {c.gpus_per_node} {c.gpu_name}",
              f"  world size     {c.world_size}",
-             f"  precision      {ch.precision}" + (_loss_scale_note(ga, p.data.total_steps)
+             f"  precision      {ch.precision}" + (_loss_scale_note(r, ga, p.data.total_steps,
+                                                                    p.data.label_tokens_per_row)
                                                    if ch.precision == "fp16" and r.train.deepspeed else ""),
              f"  attention      {ch.attention}",
              f"  Liger kernels  {'on' if ch.liger else 'off'}",

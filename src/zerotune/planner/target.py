@@ -85,6 +85,16 @@ class Target:
         """Whether the time model has figures for this target (a CPU target has none)."""
         return bool(self.mfu and self.g.peak_tflops and self.cluster)
 
+    def row_tokens(self, seq: int) -> tuple[float, str | None]:
+        """(tokens a row carries on average, where that comes from; None: the row is seq_len, packed). DPO's pairs are
+        padded to their own longer row (preference/objective.py collate), not to seq_len: the prepared data's mean
+        once `make data` has measured it, the seq_len bound before."""
+        if not self.r.pairs:
+            return float(seq), None
+        if self.docs and self.docs.get("pair_row"):
+            return min(float(self.docs["pair_row"]), seq), "the prepared pairs' mean padded row (data manifest)"
+        return float(seq), "the data.seq_len bound until `make data` measures the pairs"
+
     def rows(self, micro: int) -> int:
         """A micro-batch's rows, the planner's unit: a DPO pair's chosen and rejected rows count two."""
         return micro * batchmod.rows_per_sample(self.r)
@@ -121,15 +131,17 @@ class Target:
         assumed MFU (the kernels' efficiency alone) + the communication it cannot hide + the optimizer step + fixed
         costs (planner/time.py)."""
         world, sp = world or self.world, sp or self.sp
-        f = flops_per_step(self.r, self.shape, seq, rows, self.choice.attention, self.docs)
-        flops = StepTime(flops_per_step=f["flops_per_step"], flops_dense=f["flops_dense"],
+        row, row_from = self.row_tokens(seq)
+        f = flops_per_step(self.r, self.shape, seq, rows, self.choice.attention, self.docs, row)
+        flops = StepTime(tokens_per_step=f["tokens_per_step"], row_tokens_from=row_from,
+                         flops_per_step=f["flops_per_step"], flops_dense=f["flops_dense"],
                          flops_recompute=f["flops_recompute"], flops_attention=f["flops_attention"],
                          attention_kind=f["attention_kind"], attention_span=f["attention_span"],
                          attention_span_from=f["attention_span_from"], mfu=self.mfu)
         if not self.timed:
             return flops
         c = timemodel.CLUSTERS[cluster or self.cluster]
-        job = self._job(f["flops_per_step"], seq, rows, world, hpz, sp)
+        job = self._job(f["flops_per_step"], seq, rows, world, hpz, sp, row)
         # fp32 (Gemma 3 on V100): its own peak
         t = timemodel.step_time(job, c, hardware.peak_tflops(self.g, self.choice.precision), self.mfu)
         return dataclasses.replace(
@@ -151,12 +163,13 @@ class Target:
     def save_s(self) -> float:
         return self.checkpoint_bytes / SAVE_BYTES_PER_S
 
-    def _job(self, flops: float, seq: int, rows: int, world: int, hpz: int | None, sp: int) -> timemodel.Job:
+    def _job(self, flops: float, seq: int, rows: int, world: int, hpz: int | None, sp: int,
+             row: float) -> timemodel.Job:
         gpn, m = self.gpus_per_node, self.shape
         ga = self.grad_accum(seq, rows, world, sp)
         numels, bucket = m.zero3_modules(self.zero)
         e = hardware.dtype_bytes(self.choice.precision)
-        tokens = seq * rows // sp  # this GPU's slice of its micro-batch's rows
+        tokens = int(row * rows) // sp  # this GPU's slice of its micro-batch's rows (DPO: as padded, row_tokens)
         recompute = self.r.train.gradient_checkpointing
         return timemodel.Job(n_params=m.n_params, trainable=self.trainable,
                              flops_micro=flops / (world * ga),  # a row's FLOPs divide over its sp ranks
@@ -212,4 +225,7 @@ def doc_lengths(r: Recipe) -> dict | None:
     if not man:
         return None
     return {**(man.get("doc_length") or {}), "attention_span": man.get("attention_span"),
-            "seq_len": (man.get("packing") or {}).get("seq_len")}
+            "seq_len": (man.get("packing") or {}).get("seq_len"),
+            "pair_row": (man.get("pairs") or {}).get("padded_row_tokens_mean"),
+            "label_tokens_per_row": (man.get("tokens") or {}).get("train_label", 0) / max(1, (
+                2 if r.pairs else 1) * (man.get("sequences") or {}).get("train", 0)) or None}

@@ -11,10 +11,11 @@ from .sequence_parallel import parallelism_config
 
 
 def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int,
-                    load_universal: bool = False) -> dict:
+                    load_universal: bool = False, label_tokens_per_row: float | None = None) -> dict:
     """The recipe as TrainingArguments fields; bench/bench_train.py builds its Trainer and TRL baselines from
     the same dict, so every contender trains with the same hyper-parameters. load_universal: resuming from a
-    checkpoint written at another world size (reshard.py)."""
+    checkpoint written at another world size (reshard.py). label_tokens_per_row: the prepared data's, for the fp16
+    loss scale of a preference objective (ds_config.micro_step_weight)."""
     return dict(
         output_dir=str(layout(r).checkpoints),
         per_device_train_batch_size=r.train.micro_batch_size,
@@ -31,7 +32,8 @@ def training_kwargs(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, 
         bf16=choice.precision == "bf16",
         activation_checkpointing=r.train.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False},
-        deepspeed=ds_config.build(r, bp, max_steps, load_universal),  # fp16 loss scale from GA and the run length
+        # the fp16 loss scale from the objective's weight per micro-step and the run length
+        deepspeed=ds_config.build(r, bp, max_steps, load_universal, label_tokens_per_row),
         use_cpu=not on_gpu,
         logging_steps=r.train.logging_steps,
         logging_nan_inf_filter=False,  # a NaN must be seen, not averaged away
@@ -61,10 +63,11 @@ DDP_TIMEOUT_S = 3600
 
 
 def training_arguments(r: Recipe, bp: batchmod.BatchPlan, choice: hardware.Choice, on_gpu: bool, max_steps: int,
-                       load_universal: bool = False):
+                       load_universal: bool = False, label_tokens_per_row: float | None = None):
     from transformers import TrainingArguments
 
-    return TrainingArguments(**training_kwargs(r, bp, choice, on_gpu, max_steps, load_universal))
+    return TrainingArguments(**training_kwargs(r, bp, choice, on_gpu, max_steps, load_universal,
+                                               label_tokens_per_row))
 
 
 def total_steps(n_sequences: int, bp: batchmod.BatchPlan, r: Recipe) -> int:

@@ -130,8 +130,10 @@ def setup(r: Recipe) -> Run:
     bp = batchmod.of_recipe(r, world)
     train_ds = load_from_disk(str(paths.data_train))
     steps = total_steps(len(train_ds), bp, r)
+    tokens = data_manifest["tokens"]
     args = training_arguments(r, bp, choice, gpu.capability is not None, steps,  # before the model: zero.Init
-                              load_universal=saved is not None)
+                              load_universal=saved is not None,
+                              label_tokens_per_row=tokens["train_label"] / max(1, bp.rows * len(train_ds)))
     if adapters.enabled(r):
         adapters.set_optim(args, r)
     if args.deepspeed:
@@ -249,7 +251,7 @@ def build_trainer(r: Recipe, run: Run, model, n_params: int, stop):
     if run.choice.liger and run.choice.precision == "fp16":  # Liger's fp16 lm_head gradient can overflow unscaled
         safety.watch_lm_head(model)
     metrics.attach(trainer)
-    metrics.count_labels(model)
+    metrics.count_labels(model, (n_params, cfg.num_hidden_layers, cfg.hidden_size))  # tokens and FLOPs as they run
     metrics.watch_grads(model)  # fp16 underflow at large GA shows as zero gradient elements
     if getattr(trainer.accelerator, "scaler", None) is not None:  # fp16 without DeepSpeed: torch's GradScaler
         trainer.accelerator.scaler = ds_config.amp_grad_scaler(run.bp.grad_accum, run.steps)
