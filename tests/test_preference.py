@@ -474,3 +474,29 @@ def test_the_dpo_plan_and_its_reference_gate_take_the_prepared_pairs_padded_rows
     assert after.memory.peak_bytes == before.memory.peak_bytes
     assert after.data.label_tokens_per_row == 300
     assert "300 label tokens per row)" in dry_run(after, r) and "assumed until `make data`" in dry_run(before, r)
+
+
+def test_the_reference_cache_key_is_the_weights_content_not_their_path_or_times(tiny_model_dir, tmp_path):
+    """Issue 53 (5): a node-local copy of the same base (another path, other file times) or a re-download keys the
+    same table; a model whose values moved does not. Read on rank 0 and broadcast (without a process group: here)."""
+    import os
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from zerotune.hardware import Choice
+    from zerotune.preference.reference import cache_key
+
+    choice = Choice("fp32", "sdpa_docs", False, ())
+    copy = tmp_path / "node2" / "base"
+    shutil.copytree(tiny_model_dir, copy)
+    for f in copy.iterdir():
+        os.utime(f, (1, 1))
+    a, b = cache_key("data1", tiny_model_dir, choice), cache_key("data1", copy, choice)
+    assert a == b and str(tiny_model_dir) not in json.dumps(a)
+    assert cache_key("data2", copy, choice)["key"] != a["key"]
+    weights = load_file(str(copy / "model.safetensors"))
+    save_file({k: v + 1e-3 if v.dtype == torch.float32 else v for k, v in weights.items()},
+              str(copy / "model.safetensors"), metadata={"format": "pt"})
+    assert cache_key("data1", copy, choice)["key"] != a["key"]

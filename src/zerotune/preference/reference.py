@@ -30,15 +30,14 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from .. import manifest as mf
-from ..answering import weights_identity
 from ..checkpoint import last_committed
 from ..errors import UserError
-from ..hub import local_folder
+from ..hub import local_folder, weights_fingerprint
 from ..metrics import Progress, dist_if_initialized, max_over_ranks
 from ..stopping import StopBeforeTraining
 
 TABLE = "logps.pt"
-FORMAT = 1  # bump when what the table holds changes
+FORMAT = 2  # bump when what the table holds or how it is keyed changes (2: weights by content)
 
 
 def pair_logps(model, ds, collate, micro: int, device, label: str | None = None, stop=None) -> "torch.Tensor":  # noqa: F821
@@ -80,9 +79,14 @@ def pair_logps(model, ds, collate, micro: int, device, label: str | None = None,
 
 
 def cache_key(data_fingerprint: str, base: Path, choice) -> dict:
-    """What the table depends on, and its digest."""
-    folder = Path(local_folder(str(base)))
-    inputs = {"format": FORMAT, "data": data_fingerprint, "weights": [str(folder), weights_identity(folder)],
+    """What the table depends on, and its digest. The weights by content (hub.weights_fingerprint), not by path or
+    file times, read on rank 0 and broadcast: every rank uses the one key, and a node-local copy of the same base or
+    a re-download finds the table again."""
+    d = dist_if_initialized()
+    got = [weights_fingerprint(Path(local_folder(str(base))))] if d is None or d.get_rank() == 0 else [None]
+    if d is not None:
+        d.broadcast_object_list(got, src=0)
+    inputs = {"format": FORMAT, "data": data_fingerprint, "weights": got[0],
               "precision": choice.precision, "attention": choice.attention, "liger": choice.liger}
     return {"key": hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16], "inputs": inputs}
 
