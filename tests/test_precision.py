@@ -315,3 +315,29 @@ def test_a_pair_objective_starts_with_the_headroom_sft_has():
     w = micro_step_weight(load_recipe("llama8b_dpo_zero3", ["preference.beta=0.1"]), ga, 300)
     assert sft_power == 20 and 2 ** sft_power * w > 16 * 2 ** 16 and loss_scale(ga, 100, w)[0] == 15
     assert micro_step_weight(load_recipe("llama8b_zero3"), 480) == 1 / 480  # SFT: 1 / GA, as before
+
+
+def test_the_v100_attention_backward_temporaries_are_planned():
+    """Issue 53 (6): on sm70 at head_dim 128 torch's memory-efficient backward computes delta outside its kernel
+    (kernel_backward.h kKernelComputesDelta; attention_backward.cu: fp32 dO x O): 12 B per query-token element,
+    in the attention's backward, after the layer's MLP freed what it saved. Not on sm80, not at head_dim 64 in fp16
+    (the output stays in registers); fp32 inputs (Gemma 3 on a V100) pay only the product."""
+    from zerotune.planner.memory import sm70_attention_backward_bytes
+    from zerotune.planner.target import model_shape
+
+    m8 = model_shape(load_recipe("llama8b_zero3"))  # head_dim 128
+    smol = model_shape(load_recipe("smollm2"))      # head_dim 64
+    t = 16384
+    assert sm70_attention_backward_bytes(m8, t, 2, "sdpa_docs", (7, 0)) == 12 * t * 4096
+    assert sm70_attention_backward_bytes(m8, t, 2, "sdpa_docs", (8, 0)) == 0
+    assert sm70_attention_backward_bytes(m8, t, 2, "flash_attention_2", (7, 0)) == 0
+    assert sm70_attention_backward_bytes(smol, t, 2, "sdpa", (7, 0)) == 0
+    assert sm70_attention_backward_bytes(smol, t, 4, "sdpa", (7, 0)) == 4 * t * smol.q_dim
+    from zerotune.planner.compute import compute_plan
+    from zerotune.planner.report import format_plan
+
+    p = compute_plan(load_recipe("llama8b_zero3"))
+    m = p.memory
+    assert m.sm70_delta_bytes == 12 * 16384 * 4096 and m.mlp_saved_bytes > m.sm70_delta_bytes
+    assert m.parts["sm70 attention backward (beyond MLP)"] == 0 and m.fits
+    assert "delta outside the kernel here (fp32 dO, O and their product, 0.75 GiB)" in format_plan(p)

@@ -98,7 +98,8 @@ def recipe_batch(t: Target, peak: int) -> RecipeBatch:
 def memory_record(t: Target, mem: dict) -> Memory:
     return Memory(parts=mem["parts"], peak_bytes=mem["peak"], capacity_bytes=t.capacity, views=Views(**mem["views"]),
                   model_states_how=mem["model_states_how"], logits_how=mem["logits_how"],
-                  cpu_bytes_per_node=mem["cpu_bytes_per_node"])
+                  cpu_bytes_per_node=mem["cpu_bytes_per_node"], sm70_delta_bytes=mem["sm70_delta_bytes"],
+                  mlp_saved_bytes=mem["mlp_saved_bytes"])
 
 
 def data_steps(t: Target, batch: RecipeBatch) -> DataSteps:

@@ -292,6 +292,29 @@ def liger_fallback_bytes(m: ModelShape, dtype_bytes: int, liger: bool, capabilit
     return m.vocab * m.hidden * (dtype_bytes + 4)
 
 
+# The memory-efficient kernel's backward tile on sm70 (torch's cutlass kernels: kBlockSizeI 64 for f16 there)
+SM70_OUTPUT_IN_RF_MAX_HEAD_DIM = 64
+
+
+def sm70_attention_backward_bytes(m: ModelShape, tokens: int, dtype_bytes: int, attention: str,
+                                  capability: tuple[int, int] | None) -> int:
+    """What SDPA's memory-efficient backward allocates on a V100 beyond the layer's saved tensors, for `tokens` query
+    tokens (all heads) in one call. torch's cutlass backward computes delta = rowsum(dO x O) in its kernel only for
+    16-bit inputs whose output stays in registers, or off sm70 (aten/src/ATen/native/transformers/cuda/
+    mem_eff_attention/kernel_backward.h: kKernelComputesDelta = kIsHalf && (kOutputInRF || arch != 70)); otherwise
+    attention_backward.cu first computes it in fp32 with ATen: `(grad_out.to(kFloat) * out.to(kFloat)).sum(-1)`,
+    an fp32 copy of dO, of O and their product alive together, 12 B per query-token element (fp32 inputs: only the
+    product, 4 B). On sm70 the f16 output stays in registers up to head_dim 64 (SmolLM2) and not at 128
+    (Llama-3.1-8B). The kernel's own fp32 workspace (gQ's accumulation, ~4 B per element) comes after the delta's
+    temporaries are freed and is smaller: the larger counts. A bound for sdpa_docs, which calls SDPA once per
+    document: the row as one document."""
+    if capability != (7, 0) or attention not in ("sdpa", "sdpa_docs"):
+        return 0
+    if dtype_bytes == 4:
+        return 4 * tokens * m.q_dim
+    return 12 * tokens * m.q_dim if m.head_dim > SM70_OUTPUT_IN_RF_MAX_HEAD_DIM else 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Model states and DeepSpeed buffers
 # ---------------------------------------------------------------------------------------------
@@ -526,6 +549,11 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
         logits_how += (f" + sm<80 fallback transient {fallback / GiB:.2f} GiB (forward only; counted beyond the "
                        f"{recompute / GiB:.2f} GiB backward recompute it cannot coexist with)")
     parts["logits + loss"] = logits
+    sm70 = sm70_attention_backward_bytes(m, micro * seq, e, attention, capability)
+    if sm70:
+        # inside one layer's backward, after its MLP's backward has freed what the MLP saved (backward runs the
+        # layer in reverse): only what exceeds those raises the peak beyond the one-layer recompute
+        parts["sm70 attention backward (beyond MLP)"] = max(0, sm70 - act["per_layer"]["mlp"])
     # Freed before the two transients below: activations, the mask and the logits (not the micro-batches).
     transient = sum(parts.values()) - states - sum(buffers.values()) - parts["GA micro-batches (prefetched)"]
     # The offload hand-off happens at the end of backward, after every activation and the logits are freed:
@@ -543,6 +571,6 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     allocated = sum(parts.values())
     parts.update(extra := calibration.overheads(allocated, world=world, gpu_is_cuda=gpu_is_cuda))
     return {"parts": parts, "peak": sum(parts.values()), "views": calibration.views(allocated, extra, gpu_is_cuda),
-            "cpu_bytes_per_node": cpu_bytes,
+            "cpu_bytes_per_node": cpu_bytes, "sm70_delta_bytes": sm70, "mlp_saved_bytes": act["per_layer"]["mlp"],
             "model_states_how": how, "logits_how": logits_how, "activation_detail": act,
             "dtype_bytes": e}

@@ -96,6 +96,8 @@ class Memory:
     model_states_how: str
     logits_how: str
     cpu_bytes_per_node: int  # what DeepSpeed's estimator puts in host RAM (offload)
+    sm70_delta_bytes: int = 0  # a V100's attention backward: fp32 dO, O and their product (memory.py)
+    mlp_saved_bytes: int = 0   # what one layer's MLP saved, freed before its attention's backward
 
     @property
     def fits(self) -> bool:

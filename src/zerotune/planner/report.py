@@ -225,6 +225,11 @@ def format_plan(p: Plan) -> str:
     lines.append(f"  {'as tools would report it':<36} max_memory_allocated {_gib(v.allocated).strip()}, "
                  f"max_memory_reserved {_gib(v.reserved).strip()}, nvidia-smi {_gib(v.nvidia_smi).strip()}")
     lines.append(f"  model states: {m.model_states_how}")
+    if m.sm70_delta_bytes:
+        lines.append(f"  sm70 attention backward: SDPA's memory-efficient kernel computes delta outside the kernel "
+                     f"here (fp32 dO, O and their product, {m.sm70_delta_bytes / GiB:.2f} GiB) after the layer's MLP "
+                     f"freed {m.mlp_saved_bytes / GiB:.2f} GiB: "
+                     f"+{max(0, m.sm70_delta_bytes - m.mlp_saved_bytes) / GiB:.2f} GiB (planner/memory.py)")
     if rb.batch_error:
         lines.append(f"  batch: {rb.batch_error}")
     lines.append(f"\nchoices reaching exactly {rb.global_batch_tokens:,} tokens per optimizer step:")
