@@ -172,3 +172,23 @@ def test_speed_reports_positive_rates(llm):
     res = speed(llm, n_prompt=32, n_decode=8)
     print(f"\ntiny Q8_0 on this machine: {res}")
     assert res["prompt_tokens_per_s"] > 0 and res["decode_tokens_per_s"] > 0
+
+
+def test_t4_decode_prediction_and_the_measured_figure_beside_its_ceiling():
+    """Issue 53 (7): decode on a T4 is memory-bound, every token reading the whole GGUF: predicted = 320 GB/s over its
+    bytes x llama.cpp's efficiency measured here (its decode x bytes over this machine's read rate); on a GPU run
+    (check_t4.sbatch) the measured figure beside that ceiling. Llama-3.1-8B's Q8_0 (8.54 GB): ceiling 37.5 tok/s."""
+    import zerotune.check as ck
+
+    gguf = 8_532_152_576
+    cpu = ck.t4_decode(gguf, decode_tokens_per_s=2.0, on_gpu=False, bandwidth=20e9)
+    assert cpu["ceiling_tokens_per_s"] == pytest.approx(320e9 / gguf, abs=0.05)
+    assert cpu["efficiency_here"] == pytest.approx(2.0 * gguf / 20e9, rel=1e-3)  # 0.85 of this machine's read rate
+    assert cpu["predicted_tokens_per_s"] == pytest.approx(320e9 / gguf * 2.0 * gguf / 20e9, rel=1e-2)  # = 32 tok/s
+    line = ck._t4_decode_line(cpu)
+    assert "predicted ~32.0 tok/s = 320 GB/s / 8.53 GB per token (37.5 ceiling) x llama.cpp's efficiency here 0.85" in line
+    gpu = ck.t4_decode(gguf, decode_tokens_per_s=30.0, on_gpu=True, bandwidth=None)
+    assert gpu["measured_tokens_per_s"] == 30.0 and gpu["of_ceiling"] == pytest.approx(0.8, abs=0.01)
+    assert "measured 30.0 tok/s on this GPU; ceiling 320 GB/s / 8.53 GB per token = 37.5 (80% of it)" in \
+        ck._t4_decode_line(gpu)
+    assert ck.read_bandwidth(nbytes=1 << 24, repeats=1) > 1e8  # a real reading, bytes per second

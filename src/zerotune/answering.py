@@ -247,6 +247,13 @@ def load_gguf(gguf: Path, n_ctx: int, logits_all: bool = True, n_gpu_layers: int
                            n_gpu_layers=n_gpu_layers, verbose=False)
 
 
+def gpu_offload() -> bool:
+    """Whether this llama-cpp-python build runs layers on a GPU (a CUDA build: slurm/check_t4.sbatch's)."""
+    import llama_cpp
+
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
 def gguf_answers(llm, rows: list[dict], max_new_tokens: int) -> tuple[list[str], list[str]]:
     """Greedy chat answers through the GGUF's embedded template, stopping at its end-of-generation tokens."""
     answers, reasons = [], []

@@ -28,12 +28,13 @@ from pathlib import Path
 import numpy as np
 
 from . import manifest as mf
-from .answering import leakage_by_model, load_gguf, load_rows, score_models, set_failures
+from .answering import gpu_offload, leakage_by_model, load_gguf, load_rows, score_models, set_failures
 from .config import Recipe
 from .errors import MissingInputError, UserError
 from .gguf_checks import read_header
 from .hardware import GPUS, kv_bytes_per_token, llama_cpp_fit
 from .layout import layout, write_resolved_recipe
+from .planner.time import F
 from .preference.scoring import describe as describe_pairs
 from .preference.scoring import score_pairs
 from .quant_types import quant_type
@@ -134,6 +135,34 @@ def speed(llm, n_prompt: int = 64, n_decode: int = 32) -> dict:
     return {"prompt_tokens_per_s": round(n_prompt / (t1 - t0), 1), "decode_tokens_per_s": round(n_decode / (t2 - t1), 1)}
 
 
+def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 3) -> float:
+    """This machine's memory read rate, bytes per second: the best of `repeats` sums over a buffer far larger than
+    its caches (512 MiB), one core as llama.cpp's decode reads with them all: a conservative figure."""
+    a = np.ones(nbytes // 4, dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def t4_decode(gguf_bytes: int, decode_tokens_per_s: float, on_gpu: bool, bandwidth: float | None) -> dict:
+    """Decode on a T4 is memory-bound: every new token reads all the weights (the KV cache at these contexts is a
+    few percent more), so its ceiling is the T4's 320 GB/s over the GGUF's bytes. Predicted: that ceiling times
+    llama.cpp's efficiency measured here, decode tokens/s x bytes per token over this machine's read rate
+    (read_bandwidth). On a GPU run (slurm/check_t4.sbatch: every layer offloaded) the decode measured is the T4's
+    own, printed beside the ceiling."""
+    ceiling = F("gpu_hbm_t4") * 1e9 / gguf_bytes
+    out = {"ceiling_tokens_per_s": round(ceiling, 1), "gguf_bytes": gguf_bytes}
+    if on_gpu:
+        return {**out, "measured_tokens_per_s": decode_tokens_per_s,
+                "of_ceiling": round(decode_tokens_per_s / ceiling, 3)}
+    efficiency = decode_tokens_per_s * gguf_bytes / bandwidth
+    return {**out, "predicted_tokens_per_s": round(ceiling * efficiency, 1), "efficiency_here": round(efficiency, 3),
+            "read_gbs_here": round(bandwidth / 1e9, 1)}
+
+
 def check(r: Recipe) -> int:
     model_dir, gguf = layout(r).model, layout(r).gguf
     for p, what in ((model_dir, "finetune"), (gguf, "quantize")):
@@ -160,6 +189,7 @@ def check(r: Recipe) -> int:
     try:
         agreement = logit_agreement(llm, model_dir, heldout_documents(r, r.check.n_kl_texts))
         perf = speed(llm)
+        on_gpu = r.check.n_gpu_layers != 0 and gpu_offload()
     finally:
         llm.close()  # llama-cpp-python's __del__ at interpreter exit raises otherwise
     first, rows = sets[0].name, rows_by_set[sets[0].name]
@@ -177,6 +207,8 @@ def check(r: Recipe) -> int:
         "agreement": agreement, "gates": {"max_kl": max_kl, "min_top1": min_top1,
                                           "accuracy_margin": r.check.accuracy_margin},
         "t4": t4_fit(gguf.stat().st_size, hf_cfg, r.check.n_ctx), "speed_this_machine": perf,
+        "t4_decode": t4_decode(gguf.stat().st_size, perf["decode_tokens_per_s"], on_gpu,
+                               None if on_gpu else read_bandwidth()),
         "examples": [{"prompt": row["messages"][-1]["content"], "answer": row["answer"], "base": b, "hf": h, "gguf": g}
                      for row, b, h, g in list(zip(rows, base_ans, hf_ans, gg_ans))[:5]],
     }
@@ -246,8 +278,19 @@ def _print_table(res: dict) -> None:
         f"  T4: {t['weights_gib']} GiB weights + KV cache at {t['n_ctx']} tokens = {t['needed_gib']} GiB of "
         f"{t['usable_gib']} -> {'fits' if t['fits'] else 'DOES NOT FIT'}; largest context that fits {t['max_context_that_fits']:,}",
         f"  this machine: prompt {s['prompt_tokens_per_s']} tok/s, decode {s['decode_tokens_per_s']} tok/s",
+        _t4_decode_line(res["t4_decode"]),
     ]
     print("\n".join(lines), flush=True)
+
+
+def _t4_decode_line(d: dict) -> str:
+    gb = d["gguf_bytes"] / 1e9
+    if "measured_tokens_per_s" in d:
+        return (f"  T4 decode: measured {d['measured_tokens_per_s']} tok/s on this GPU; ceiling 320 GB/s / {gb:.2f} GB "
+                f"per token = {d['ceiling_tokens_per_s']} ({d['of_ceiling']:.0%} of it)")
+    return (f"  T4 decode: predicted ~{d['predicted_tokens_per_s']} tok/s = 320 GB/s / {gb:.2f} GB per token "
+            f"({d['ceiling_tokens_per_s']} ceiling) x llama.cpp's efficiency here {d['efficiency_here']:.2f} (its decode "
+            f"x {gb:.2f} GB over this machine's {d['read_gbs_here']} GB/s read rate); slurm/check_t4.sbatch measures it")
 
 
 def _set_lines(name: str, s: dict) -> list[str]:
