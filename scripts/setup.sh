@@ -81,7 +81,7 @@ else
     if grep -q -E "NameResolution|Failed to establish|Max retries|ProxyError|SSLError" <<<"$out"; then
       echo "setup: cannot reach $index from $(hostname -s): run make setup TORCH=$TORCH on a node with internet access (or set your proxy)" >&2
     else
-      echo "setup: no torch==$TORCH_VERSION wheel for $(.venv/bin/python -V) at $index: pick a TORCH= that has one (V100 needs a CUDA 12.x build: cu126, cu128, cu129) or change TORCH_VERSION in scripts/setup.sh" >&2
+      echo "setup: no torch==$TORCH_VERSION wheel for $(.venv/bin/python -V) at $index: pick a TORCH= that has one (a V100 needs cu126: from torch 2.11 on only the cu126 wheels carry sm_70, pytorch #172352; a T4 runs cu126, cu128 or cu129) or change TORCH_VERSION in scripts/setup.sh" >&2
     fi
     exit 2
   fi
@@ -99,7 +99,20 @@ print(item["metadata"]["version"], pin)' "$report")
     echo "setup: torch $got requires triton==$want but requirements.lock pins triton==$have: set triton==$want in requirements.txt and requirements.lock (Liger runs on torch's triton)" >&2
     exit 2
   fi
-  $PIP install -q "torch==$TORCH_VERSION" --index-url "$index"
+  lock="requirements-$TORCH.lock"  # torch and the CUDA wheels it pulled, as the first cluster setup resolved them
+  if [[ -f "$lock" ]]; then
+    $PIP install -q -r "$lock" --index-url "$index" --extra-index-url https://pypi.org/simple
+  else
+    $PIP install -q "torch==$TORCH_VERSION" --index-url "$index"
+    { echo "# make setup TORCH=$TORCH resolved these on $(date -u +%F) from $index: commit this file, and every later"
+      echo "# setup on any node installs exactly them (docs/cluster.md#the-v100-toolchain)"
+      .venv/bin/python -m pip freeze | grep -E '^(torch|triton|nvidia-)' ; } > "$lock"
+    echo "setup: wrote $lock (torch and its CUDA wheels as resolved): commit it to pin them"
+  fi
+  # the GPU architectures this torch was compiled for (no GPU needed to read them): a V100 is sm_70, a T4 sm_75
+  arch="$(.venv/bin/python -c 'import torch; print(torch._C._cuda_getArchFlags())')"
+  echo "setup: torch $got kernels for: $arch"
+  [[ "$arch" == *sm_70* ]] || echo "setup: this torch has no sm_70 kernels: it will not run on a V100 (use TORCH=cu126)" >&2
 fi
 
 echo "setup: pinned packages (requirements.lock)"
