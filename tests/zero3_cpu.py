@@ -23,7 +23,8 @@ def launch(worker: str, mode: str, out: Path) -> None:
     """torchrun `worker` (a test file that is its own worker) on WORLD CPU ranks as zerotune's CPU training is."""
     from zerotune.ports import free_port
 
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}  # as train/launch.py on CPU
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",  # as train/launch.py on CPU
+           "LOCAL_SIZE": str(WORLD)}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(Path(worker).resolve()), mode, str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -177,7 +177,8 @@ def with_times(t: Target, phases: Phases, time: StepTime, disk: Disk, data: Data
         rows_per_forward=rows if r.pairs else 1,
         reference_rows=t.rows(data.train_sequences + (data.eval_sequences or 0))
         if r.pairs and data.train_sequences is not None else None,
-        module_numels=t.shape.zero3_modules(t.zero)[0])
+        module_numels=t.shape.zero3_modules(t.zero)[0],
+        host_pass_s=timemodel.zero3_host_pass_s(t.zero_stage, t.shape.layers, t.peft is not None))
     timed = {name: dataclasses.replace(getattr(phases, name), time=PhaseTime(**v)) for name, v in times.items()
              if getattr(phases, name) is not None}
     return dataclasses.replace(phases, **timed)

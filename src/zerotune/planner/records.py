@@ -167,6 +167,7 @@ class Terms:
     """Seconds of one optimizer step by term (planner/time.py step_time); or each term's share of the step."""
     compute: float
     communication: float
+    host: float  # ZeRO-3's host work where a pass's GPU work is shorter
     optimizer: float
     fixed: float
 
@@ -175,7 +176,7 @@ class Terms:
 
     @property
     def total(self) -> float:
-        return self.compute + self.communication + self.optimizer + self.fixed
+        return self.compute + self.communication + self.host + self.optimizer + self.fixed
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,8 @@ class MicroStep:
     sequence_parallel_s: float | None = None  # Ulysses' all-to-alls, on the critical path
     latency_s: float | None = None           # NCCL's per-collective latency, within the traffic above
     collectives: int | None = None
+    host_s: float | None = None              # ZeRO-3's host work over the passes (hooks, fetch, release)
+    host_exposed_s: float | None = None      # of it, what the GPU's work does not cover
 
     def traffic(self) -> list[tuple[str, float]]:
         """(what, seconds) of each kind of traffic this micro-step has."""

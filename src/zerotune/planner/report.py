@@ -139,8 +139,12 @@ def format_time(p: Plan) -> list[str]:
                             f"{pm.exposed_s:.2f} s not hidden ({t.overlap:.0%} of the overlappable overlaps)"
                             + (f"; + {t.step_communication_s:.1f} s gradient all-reduce per step"
                                if t.step_communication_s else ""),
+           "host": (f"per micro-step {pm.host_s:.2f} s of DeepSpeed's Python on the host (its hooks on every "
+                    f"layer, every pass), {pm.host_exposed_s:.2f} s beyond the GPU's work; "
+                    f"{_h(t.grad_accum * pm.host_s)} more per step if none of it overlapped"
+                    if pm.host_s else "none (not ZeRO-3)"),
            "optimizer": t.optimizer_how,
-           "fixed": f"batch fetch {fp.fetch_s:.1f} s, logging {fp.bookkeeping_s:.1f} s, checkpoint save "
+           "fixed": f"batch fetch {fp.fetch_s:.1f} s, logging {fp.bookkeeping_s:.2f} s, checkpoint save "
                     f"{fp.save_s:.0f} s per step"}
     for k, v in t.terms.items():
         lines.append(f"  {k:<14} {_h(v):>10} {v / total:6.1%}  {why[k]}")

@@ -180,7 +180,7 @@ class Target:
                              save_s=self.save_s, save_steps=self.r.train.save_steps,
                              module_numels=numels, reduce_bucket=bucket, sequence_parallel=sp,
                              ulysses_bytes=e * tokens * (2 * m.q_dim + 2 * ulysses_kv_dim(m, sp)),
-                             layers=m.layers, passes=3 if recompute else 2)
+                             layers=m.layers, passes=3 if recompute else 2, adapters=self.peft is not None)
 
 
 def resolve(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = None, nodes: int | None = None,

@@ -2,7 +2,7 @@
 optimizer and fixed costs, from the one table of figures below (FIGURES, each with its source).
 
     t_step = GA x t_micro + t_optimizer + t_fixed
-    t_micro = sum over the forward and the backward pass of  max(c, m) + (1 - OVERLAP) x min(c, m)
+    t_micro = sum over the forward and the backward pass of  max(g, h),   g = max(c, m) + (1 - OVERLAP) x min(c, m)
 
 c is the pass's compute: its FLOPs on one GPU / (peak x MFU). MFU here is the efficiency of the kernels
 alone (matmuls, attention, Liger) with nothing else running: communication, the optimizer and the fixed
@@ -39,10 +39,16 @@ rate it sustains "bus bandwidth"). What ZeRO-3 moves per micro-step, from deepsp
              against it: no speedup in practice (DeepSpeed #4386, #4886) and an fp16 loss blow-up with
              reentrant checkpointing, this recipe's setup (#7164, open): the plan never turns it on by itself.
 
+h is the pass's host work under ZeRO-3: DeepSpeed's Python for every module of every layer (its hooks, fetch and
+release with the trace, each collective's call), measured here per layer and pass on HF Llama's module tree
+(zero3_host_s_per_layer_pass; the forward pass 1 x, the backward pass 2 x with recompute). It runs ahead of the
+GPU's queue and costs time only where the pass's kernels and transfers are shorter: short rows, LoRA, small
+micro-batches. Reported as its own term, `host`, the part the GPU's work does not cover.
+
 Ignored, with their size: parameters below stage3_param_persistence_threshold stay resident (Llama's norms,
 < 0.01% of the bytes); parameters kept across the forward/backward turnaround (at most
-stage3_max_reuse_distance = 1e9 parameters: <= 6% of one micro-step's gather bytes for 8B); DeepSpeed's host-side
-work per module (its hooks run ahead of the GPU's queue and cost time only where a module's kernels are shorter).
+stage3_max_reuse_distance = 1e9 parameters: <= 6% of one micro-step's gather bytes for 8B); the host work of the
+model's ends (embedding, final norm, head: 3 modules against 9 per layer).
 
 Per-collective latency: ZeRO-3 moves the model module by module (Job.module_numels: a gather per gathered module
 and pass, a reduce-scatter per module's gradients), and each collective costs what NCCL's own tuner says it does
@@ -147,9 +153,25 @@ FIGURES: dict[str, Figure] = {
         "measured here: 18.3 ms per 16,384-token packed row (datasets row access + train/args.py collate_packed) "
         "on this 2-core VM under CI load: an upper bound for a cluster node"),
     "bookkeeping_s": Figure(
-        0.5, "s per step", "logging, zerotune's step metrics and their all-reduce of a few scalars, host syncs",
-        "assumption (upper bound): NCCL small-message all-reduce ~25-35 us on 2 nodes (NVIDIA/nccl-tests#128 "
-        "rows); a handful of .item() syncs and one log line per step"),
+        0.3, "s per step", "logging, zerotune's step metrics and their all-reduce of a few scalars, host syncs",
+        "calibrated (issue 53): with the host term, the three H200 gpu-check rows (docs/planner_time.md) stay "
+        "within +-35% for 0.11-0.42 s; 0.3 s balances them (+16%, -16%, +20%). The former 0.5 s upper bound "
+        "(an assumption) puts the 2K row at +41%: it had carried the host work before that was modelled. "
+        "NCCL small-message all-reduce ~25-35 us on 2 nodes (NVIDIA/nccl-tests#128 rows)"),
+    # --- host work ------------------------------------------------------------------------------------
+    "zero3_host_s_per_layer_pass": Figure(
+        4.5e-3, "s per layer per pass", "DeepSpeed ZeRO-3's Python on the host for one decoder layer's "
+        "modules in one pass (forward, recompute or backward): the pre/post hooks of every module, fetch and "
+        "release with the trace, the gathers' and reduce-scatters' calls",
+        "measured here (bench/bench_zero3_host.py, bench/results/zero3_host.md): HF Llama's module tree with "
+        "gradient checkpointing under ZeRO-3 on one CPU rank minus the plain model, slope over 4-32 layers "
+        "(0.50 ms per module with parameters; 6.7 ms in the run before; a sweep over plain Linear modules gave "
+        "0.58-0.99 ms per module and pass in four runs: +-30%); a 2-core AMD EPYC VM: a cluster host's core runs the same Python, faster or slower by its single-thread "
+        "speed (the H200 rows, docs/planner_time.md, do not contradict it)"),
+    "zero3_host_s_per_lora_layer_pass": Figure(
+        6.6e-3, "s per layer per pass", "the same under LoRA as adapters.py wraps it (every linear adapted, "
+        "each one ZeRO-3 leaf: its wrapper's hooks gather base and adapters at its entry)",
+        "measured here beside the figure above (bench/bench_zero3_host.py, r 16 on every linear)"),
     # --- the phases after the training steps ---------------------------------------------------------
     "storage_read": Figure(
         1.0e9, "B/s", "reading a checkpoint or the consolidated model back from shared storage, all ranks together",
@@ -272,6 +294,7 @@ class Job:
     ulysses_bytes: float = 0.0  # q, k, v in and the attention output back, this rank's slice of the row
     layers: int = 0
     passes: int = 3             # forward, recompute (gradient checkpointing), backward; 2 without recompute
+    adapters: bool = False      # LoRA / QLoRA: ZeRO-3's host work per layer is the adapted layer's
 
     @property
     def world(self) -> int:
@@ -347,6 +370,14 @@ def _pass_s(compute: float, comm: float, overlap: float) -> float:
     return max(compute, comm) + (1 - overlap) * min(compute, comm)
 
 
+def zero3_host_pass_s(zero_stage: int, layers: int, adapters: bool = False) -> float:
+    """DeepSpeed's host work for one pass over the model under ZeRO-3 (at any world size: one rank gathers nothing,
+    its hooks still run). It runs ahead of the GPU's queue, so a pass takes the longer of it and the GPU's work."""
+    if zero_stage != 3:
+        return 0.0
+    return layers * F("zero3_host_s_per_lora_layer_pass" if adapters else "zero3_host_s_per_layer_pass")
+
+
 def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: float | None = None) -> dict:
     """Seconds per optimizer step by term, and what each term is made of (per micro-step, per GPU)."""
     overlap = F("overlap") if overlap is None else overlap
@@ -396,7 +427,13 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
     if job.sequence_parallel > 1:
         a2a = job.passes * job.layers * collective_s(job.ulysses_bytes, job.sequence_parallel, c, False)
         detail["sequence_parallel_s"] = a2a
-    micro = _pass_s(c_fwd, m_fwd, overlap) + _pass_s(c_bwd, m_bwd, overlap) + a2a
+    gpu_fwd, gpu_bwd = _pass_s(c_fwd, m_fwd, overlap), _pass_s(c_bwd, m_bwd, overlap)
+    host = zero3_host_pass_s(job.zero_stage, job.layers, job.adapters)
+    host_fwd, host_bwd = host, (job.passes - 1) * host  # recompute and backward: the backward pass's two
+    micro = gpu_fwd + gpu_bwd + a2a
+    host_exposed = max(host_fwd - gpu_fwd, 0.0) + max(host_bwd - gpu_bwd, 0.0)
+    if host:
+        detail.update(host_s=host_fwd + host_bwd, host_exposed_s=host_exposed)
     if job.offload_optimizer:
         optimizer = job.trainable / job.nodes / c.cpu_adam + 2 * per_gpu / (c.host * GB)
         opt_how = (f"CPU Adam {job.trainable / job.nodes:.3g} parameters per node at {c.cpu_adam:.3g}/s + fp16 "
@@ -408,7 +445,7 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
     save = job.save_s / job.save_steps if job.save_steps > 0 else 0.0
     fixed = fetch + F("bookkeeping_s") + save
     terms = {"compute": ga * compute, "communication": ga * (micro - compute) + step_comm,
-             "optimizer": optimizer, "fixed": fixed}
+             "host": ga * host_exposed, "optimizer": optimizer, "fixed": fixed}
     total = sum(terms.values())
     comm_micro = m_fwd + m_bwd + a2a  # all of it, before overlap
     return {
@@ -436,7 +473,7 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
                 peak_tflops: float, mfu: float, seq: int, attention_span: float, eval_rows: int | None,
                 samples: int, prompt_tokens: int, new_tokens: int, checkpoint_bytes: int, model_bytes: int,
                 save_s: float, gather_once: bool = False, probe_tokens: int = 256, rows_per_forward: int = 1,
-                reference_rows: int | None = None, module_numels: tuple = ()) -> dict:
+                reference_rows: int | None = None, module_numels: tuple = (), host_pass_s: float = 0.0) -> dict:
     """Seconds of each phase that is not a training step, once each (the plan prints them beside their memory;
     the deadline reserves the end of training's validation and samples).
     validation: every rank forwards ceil(eval rows / world) rows of `seq` tokens, no grad: 2N + attention FLOPs
@@ -450,13 +487,15 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
     save: the checkpoint write (compute.SAVE_BYTES_PER_S). resume: reading it back (storage_read).
     finalize: rank 0 reads the consolidated model back and runs the verification probe on the CPU.
     DPO: validation and the reference pass forward `rows_per_forward` rows (a micro-batch's pairs) per call, one
-    gather per call; reference: `reference_rows` rows (2 per train and validation pair; None: data not prepared)."""
+    gather per call; reference: `reference_rows` rows (2 per train and validation pair; None: data not prepared).
+    host_pass_s: ZeRO-3's host work per forward (zero3_host_pass_s), the least a forward takes, decode's tokens
+    included; under gather_once the hooks find every weight present (not measured: not charged)."""
     gather = zero3_gather_s(dtype_bytes, n_params, module_numels, world, nodes, c)[0]
     flops_s = peak_tflops * 1e12 * mfu
 
     def forward_s(tokens: int, span: float) -> float:
         compute = tokens * (2 * n_params + 2 * 2 * span * q_dim * layers) / flops_s
-        return _pass_s(compute, gather, F("overlap"))
+        return max(_pass_s(compute, gather, F("overlap")), host_pass_s)
 
     per_row = forward_s(seq * rows_per_forward, attention_span) / rows_per_forward
     calls = -(-eval_rows // (world * rows_per_forward)) if eval_rows else None

@@ -127,6 +127,9 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
     env["HF_HUB_OFFLINE"] = "1"  # before_launch found the weights locally: no rank contacts the hub
     if n_gpu == 0:
         env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed's accelerator plumbing; gloo without oneCCL
+        # what DeepSpeed's own launcher sets (launcher/launch.py): without it the CPU accelerator's device_count()
+        # runs `numactl` on every reduce-scatter (cpu_accelerator.py:70-79, stage3.py:1925), ~1 ms each here
+        env["LOCAL_SIZE"] = str(nproc)
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default then: stated here, it prints no banner about it
     torchrun = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
