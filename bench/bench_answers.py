@@ -15,19 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "bench"))
+from bench_env import REPO, RESULTS, SMOLLM2  # first: the hub offline, src/ on the path
 
 from bench_stats import Steal, fmt_ratio, ratio_stats  # noqa: E402
 
-RESULTS = REPO / "bench" / "results"
-MODEL = REPO / "assets" / "models" / "smollm2-135m-instruct"
+MODEL = SMOLLM2
 PROMPTS = REPO / "data" / "general" / "prompts.jsonl"
 
 

@@ -15,21 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "bench"))
+from bench_env import RESULTS, SMOLLM2  # first: the hub offline, src/ on the path
 
 from bench_stats import Steal, fmt_ratio, ratio_stats  # noqa: E402
 
-RESULTS = REPO / "bench" / "results"
-MODEL = REPO / "assets" / "models" / "smollm2-135m-instruct"
+MODEL = SMOLLM2
 KERNELS = ("sdpa", "sdpa_docs")
 
 

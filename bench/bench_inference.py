@@ -34,10 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "bench"))
+from bench_env import REPO  # first: the hub offline, src/ on the path
 
 from bench_stats import Steal, fmt_ratio, pct, ratio_stats  # noqa: E402
 

@@ -30,13 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "bench"))
+from bench_env import REPO, RESULTS, SMOLLM2  # first: the hub offline, src/ on the path
 
-RESULTS = REPO / "bench" / "results"
-MODEL = REPO / "assets" / "models" / "smollm2-135m-instruct"
+MODEL = SMOLLM2
 PROCS = 3
 CAP_AT = 3072  # the cap: SP 1's per-rank peak at rows of this many tokens
 SP1_MAX = 3072  # SP 1 beyond this would hold three longer rows' logits at once: more than this machine's RAM

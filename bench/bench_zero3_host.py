@@ -30,9 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-RESULTS = REPO / "bench" / "results"
+from bench_env import REPO, RESULTS  # first: the hub offline, src/ on the path
 TOTAL = 1 << 22  # parameters of every model: the bytes moved do not change with K
 
 

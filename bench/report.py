@@ -13,18 +13,13 @@ import hashlib
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-sys.path.insert(0, str(REPO / "bench"))
+from bench_env import REPO, RESULTS  # first: the hub offline, src/ on the path
 
 from bench_stats import ratio_stats  # noqa: E402
 from zerotune import manifest as mf  # noqa: E402
 
-RESULTS = REPO / "bench" / "results"
 T4_BYTES_PER_S = 320e9  # T4 memory bandwidth: decode reads every weight once per token
 
 
