@@ -223,3 +223,34 @@ def test_training_on_cuda_stops_on_a_math_kernel_fallback_naming_the_call():
         with SdpaGuard(("EFFICIENT_ATTENTION",), strict=True):
             F.scaled_dot_product_attention(q, q, q, is_causal=True)
         assert "math kernel for 1 call(s)" in outer.take()
+
+
+def test_grouped_kv_without_a_mask_runs_with_its_heads_repeated_where_no_fused_kernel_takes_gqa(monkeypatch):
+    """On a V100 or T4 only the math kernel takes enable_gqa (FlashAttention needs sm80+), and transformers passes it
+    whenever no mask is given (DPO's unmasked pairs; an unpacked row under `sdpa`). Under the strict guard such a call
+    runs with K/V repeated to the query's heads, the answer unchanged, instead of stopping training. Here a stand-in
+    SDPA refuses enable_gqa the way CUDA's fused kernels do on sm70 ("No available kernel")."""
+    import pytest
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from zerotune.attention import SdpaFallbackError, SdpaGuard
+
+    real = F.scaled_dot_product_attention
+
+    def sm70(*args, **kw):
+        if kw.get("enable_gqa") or kw.get("attn_mask") is not None:  # what a V100's fused kernel cannot take here
+            raise RuntimeError("No available kernel. Aborting execution.")
+        with sdpa_kernel([SDPBackend.MATH]):  # the CPU stand-in for the memory-efficient kernel
+            return real(*args, **kw)
+
+    q, k, v = torch.randn(2, 8, 16, 32), torch.randn(2, 2, 16, 32), torch.randn(2, 2, 16, 32)
+    want = real(q, k, v, is_causal=True, enable_gqa=True)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sm70)
+    with SdpaGuard(("MATH",), strict=True) as guard:
+        got = F.scaled_dot_product_attention(q, k, value=v, is_causal=True, enable_gqa=True)
+        assert guard.take() is None
+        with pytest.raises(SdpaFallbackError, match="enable_gqa=True"):  # a call no kernel takes at all still stops
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool), enable_gqa=True)
+    torch.testing.assert_close(got, want)

@@ -305,7 +305,7 @@ def test_a_pair_objective_starts_with_the_headroom_sft_has():
     for beta, alpha, labels in ((0.01, 0.0, 300), (0.1, 0.0, 300), (0.1, 0.5, 800)):
         rr = load_recipe("llama8b_dpo_zero3", [f"preference.beta={beta}", f"preference.nll_alpha={alpha}"])
         w = micro_step_weight(rr, ga, labels)
-        assert w == pytest.approx((beta * 0.5 * 2 * labels + alpha) / ga)  # the formula
+        assert w == pytest.approx((beta * 0.5 * 2 * labels + 2 * alpha) / ga)  # the formula, per label token
         power, _ = loss_scale(ga, 100, w)
         # the headroom a mean-normalised micro-batch has at DeepSpeed's 2^16, rounded down to a power of two
         assert 2 ** 15 < 2 ** power * w <= 2 ** 16, (beta, alpha, labels, power)
@@ -340,4 +340,4 @@ def test_the_v100_attention_backward_temporaries_are_planned():
     m = p.memory
     assert m.sm70_delta_bytes == 12 * 16384 * 4096 and m.mlp_saved_bytes > m.sm70_delta_bytes
     assert m.parts["sm70 attention backward (beyond MLP)"] == 0 and m.fits
-    assert "delta outside the kernel here (fp32 dO, O and their product, 0.75 GiB)" in format_plan(p)
+    assert "may compute delta outside the kernel here (if its 64x64 variant runs; unverified on a V100) (fp32 dO, O and their product, 0.75 GiB)" in format_plan(p)

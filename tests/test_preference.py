@@ -500,3 +500,27 @@ def test_the_reference_cache_key_is_the_weights_content_not_their_path_or_times(
     save_file({k: v + 1e-3 if v.dtype == torch.float32 else v for k, v in weights.items()},
               str(copy / "model.safetensors"), metadata={"format": "pt"})
     assert cache_key("data1", copy, choice)["key"] != a["key"]
+    # .bin weights (save_pretrained's older format) are keyed by their bytes too, not by config.json alone
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    shutil.copy(copy / "config.json", bins / "config.json")
+    torch.save(weights, bins / "pytorch_model.bin")
+    first = cache_key("data1", bins, choice)["key"]
+    torch.save({k: v * 2 for k, v in weights.items()}, bins / "pytorch_model.bin")
+    assert cache_key("data1", bins, choice)["key"] != first
+
+
+def test_pair_rows_have_no_mask_except_gemmas_sliding_layers_under_sdpa():
+    """DPO's right-padded pairs pass no mask (SDPA is_causal), so the plan counts none; but transformers gives
+    Gemma 3's sliding-window layers a (rows, 1, S, S) mask under sdpa/eager once a row reaches the window
+    (masking_utils.py), which the plan then counts. sdpa_docs builds none (attention.py document_mask)."""
+    from conftest import REPO
+
+    from zerotune.planner.memory import attention_has_mask, pair_rows_padded, shape_of
+
+    llama = shape_of(str(REPO / "configs" / "models" / "llama31_8b.json"))
+    gemma = shape_of(str(REPO / "configs" / "models" / "gemma3_12b.json"))
+    assert gemma.sliding_layers and not llama.sliding_layers
+    for m, attention, mask in ((llama, "sdpa", False), (llama, "sdpa_docs", False), (gemma, "sdpa_docs", False),
+                               (gemma, "sdpa", True), (gemma, "eager", True)):
+        assert attention_has_mask(attention, False, 4, pair_rows_padded(m, attention)) is mask, (attention, mask)

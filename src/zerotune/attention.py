@@ -242,12 +242,29 @@ class SdpaGuard:
         kernel = sdpa_kernel([getattr(SDPBackend, b) for b in self.backends])
         kernel.__enter__()
 
-        def sdpa(*args, **kw):  # transformers and attention.py look the function up at each call
+        def fused(*args, **kw):
             try:
                 return orig(*args, **kw)
             except RuntimeError as e:
                 if not any(m in str(e) for m in NO_KERNEL):
                     raise
+            if kw.get("enable_gqa"):
+                # On CUDA only FlashAttention (sm80+) and the math kernel take grouped K/V (torch/nn/functional.py,
+                # scaled_dot_product_attention's enable_gqa note). transformers asks for it whenever no mask is passed
+                # (integrations/sdpa_attention.py use_gqa_in_sdpa: DPO's unmasked pairs, an unpacked row under
+                # `sdpa`); on a V100 or T4 the heads are repeated instead, as transformers does whenever a mask is
+                # given, so the memory-efficient kernel takes the call.
+                a, k = repeat_kv_heads(args, kw)
+                try:
+                    return orig(*a, **k)
+                except RuntimeError as e:
+                    if not any(m in str(e) for m in NO_KERNEL):
+                        raise
+            return None
+
+        def sdpa(*args, **kw):  # transformers and attention.py look the function up at each call
+            out = fused(*args, **kw)
+            if out is None:
                 key, text = describe_sdpa_call(args, kw)
                 if self.strict:
                     raise SdpaFallbackError(
@@ -257,6 +274,7 @@ class SdpaGuard:
                 self.calls.setdefault(key, [0, text])[0] += 1
                 with sdpa_kernel([SDPBackend.MATH]):
                     return orig(*args, **kw)
+            return out
 
         self._saved = (F, orig, kernel)
         F.scaled_dot_product_attention = sdpa
@@ -280,6 +298,16 @@ class SdpaGuard:
                + "; ".join(f"{c} x {t}" for c, t in self.calls.values()))
         self.calls = {}
         return out
+
+
+def repeat_kv_heads(args, kw) -> tuple[tuple, dict]:
+    """An SDPA call's grouped K/V repeated to the query's heads (dim -3), enable_gqa dropped: the same attention."""
+    names = ("query", "key", "value")
+    qkv = [args[i] if i < len(args) else kw[n] for i, n in enumerate(names)]
+    groups = qkv[0].shape[-3] // qkv[1].shape[-3]
+    qkv[1:] = [t.repeat_interleave(groups, dim=-3) for t in qkv[1:]]
+    rest = {k: v for k, v in kw.items() if k not in names and k != "enable_gqa"}
+    return (*qkv, *args[3:]), rest
 
 
 def describe_sdpa_call(args, kw) -> tuple[tuple, str]:

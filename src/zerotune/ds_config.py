@@ -44,12 +44,13 @@ def micro_step_weight(r: Recipe, grad_accum: int, label_tokens_per_row: float | 
     DPO (preference/loss.py, the Trainer dividing the pair mean by GA): each completion token's log-probability
     weighs beta x sigma(-z) / (pairs x GA), sigma = DPO_START_SIGMOID at the start; the micro-batch holds
     2 x pairs x label_tokens_per_row of them: beta x sigma x 2 x label_tokens_per_row / GA. The NLL term
-    (preference.nll_alpha, a mean over the chosen tokens) adds nll_alpha / GA."""
+    (preference.nll_alpha, a mean over the chosen tokens: nll_alpha / (pairs x labels x GA) each, on the same
+    2 x pairs x labels tokens) adds 2 x nll_alpha / GA."""
     if not r.pairs:
         return 1 / grad_accum
     labels = label_tokens_per_row or ASSUMED_LABEL_TOKENS_PER_ROW
     p = r.preference
-    return (p.beta * DPO_START_SIGMOID * 2 * labels + p.nll_alpha) / grad_accum
+    return (p.beta * DPO_START_SIGMOID * 2 * labels + 2 * p.nll_alpha) / grad_accum
 
 
 def loss_scale(grad_accum: int | None, steps: int | None, weight: float | None = None) -> tuple[int, int]:

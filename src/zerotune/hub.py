@@ -146,7 +146,8 @@ def weights_fingerprint(folder: Path) -> str:
     """Which weights these are, by content and wherever they lie: the sha256 of config.json, each safetensors file's
     name and header (every tensor's name, dtype, shape and offsets) and CONTENT_SAMPLES blocks spread over its data,
     so a copy in another node's cache or a re-download keys the same and a retrained model (every value moved)
-    does not. Seconds at 8B (a few MiB read of 16 GB), not the minutes a whole-file hash takes."""
+    does not. Seconds at 8B (a few MiB read of 16 GB), not the minutes a whole-file hash takes. A folder of .bin
+    weights (save_pretrained's older format) is keyed the same way on its files' sampled bytes."""
     import hashlib
     import struct
 
@@ -154,12 +155,16 @@ def weights_fingerprint(folder: Path) -> str:
     h = hashlib.sha256()
     if (folder / CONFIG).exists():
         h.update((folder / CONFIG).read_bytes())
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")):
         size = f.stat().st_size
         with f.open("rb") as fh:
-            n = struct.unpack("<Q", fh.read(8))[0]
-            h.update(f.name.encode() + fh.read(n))
-            start = 8 + n
+            if f.suffix == ".safetensors":
+                n = struct.unpack("<Q", fh.read(8))[0]
+                h.update(f.name.encode() + fh.read(n))
+                start = 8 + n
+            else:  # a pickle/zip: no header to read apart, its bytes sampled like a safetensors file's data
+                h.update(f.name.encode() + str(size).encode())
+                start = 0
             step = max(CONTENT_BLOCK, (size - start) // CONTENT_SAMPLES)
             for off in range(start, size, step):
                 fh.seek(off)

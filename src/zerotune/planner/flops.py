@@ -9,7 +9,7 @@ block-causal mask. The prepared data measures the per-document span (data manife
 from __future__ import annotations
 
 from ..config import Recipe
-from .memory import attention_has_mask
+from .memory import attention_has_mask, pair_rows_padded
 
 
 def attention_kind(attention: str, packing: bool, micro: int, padded: bool | None = None) -> str:
@@ -62,7 +62,7 @@ def flops_per_step(r: Recipe, shape, seq, micro: int, attention: str, docs: dict
     ckpt = r.train.gradient_checkpointing
     dense = 6 * N * T
     recompute = 2 * N * T if ckpt else 0
-    kind = attention_kind(attention, r.data.packing, micro, padded=False if r.pairs else None)  # pairs: no mask
+    kind = attention_kind(attention, r.data.packing, micro, padded=pair_rows_padded(shape, attention) if r.pairs else None)
     doc = row if r.pairs and row else min(seq, docs["p50"]) if docs and docs.get("p50") else seq
     span_of, span_from = (attention_span(docs, seq) if kind in ("varlen", "per_document") else (None, None))
     span = {"varlen": 2 * (span_of or 0), "per_document": 2 * (span_of or 0), "causal": 2 * (seq if r.data.packing else doc),

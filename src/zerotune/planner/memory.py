@@ -109,6 +109,14 @@ def attention_has_mask(attention: str, packing: bool, micro: int, padded: bool |
     return attention != "flash_attention_2" and (packing or padded)
 
 
+def pair_rows_padded(m: ModelShape, attention: str) -> bool | None:
+    """How DPO's right-padded pair rows reach attention_has_mask. No mask (False): preference/objective.py passes none
+    and SDPA runs is_causal. Except a model with sliding-window layers under sdpa or eager: transformers builds those
+    layers a (rows, 1, S, S) mask once a row reaches the window (masking_utils.py sliding_window_causal_mask_function,
+    the causal shortcut skipped at kv_length >= window); None: the padded micro-batch's default, a mask."""
+    return None if m.sliding_layers and attention in ("sdpa", "eager") else False
+
+
 def sliding_block_mask_elements(seq: int, window: int) -> int:
     """sdpa_docs on a sliding-window layer (attention.py _attend): a document longer than the window is attended
     in query blocks of `window` rows against the keys they can see, each with its own (rows x keys) mask, which
@@ -304,8 +312,12 @@ def sm70_attention_backward_bytes(m: ModelShape, tokens: int, dtype_bytes: int, 
     mem_eff_attention/kernel_backward.h: kKernelComputesDelta = kIsHalf && (kOutputInRF || arch != 70)); otherwise
     attention_backward.cu first computes it in fp32 with ATen: `(grad_out.to(kFloat) * out.to(kFloat)).sum(-1)`,
     an fp32 copy of dO, of O and their product alive together, 12 B per query-token element (fp32 inputs: only the
-    product, 4 B). On sm70 the f16 output stays in registers up to head_dim 64 (SmolLM2) and not at 128
-    (Llama-3.1-8B). The kernel's own fp32 workspace (gQ's accumulation, ~4 B per element) comes after the delta's
+    product, 4 B). On sm70 the f16 output stays in registers up to head_dim 64 (SmolLM2) and, in the 64x64 kernel
+    this assumes, not at 128 (Llama-3.1-8B). Unverified on a V100: torch also builds a 128x64 f16 sm70 kernel for
+    head_dim 128 (mem_eff_attention/kernels/generate_kernels.py, cutlassB.h lists it first) whose output does stay in
+    registers, and attention_backward.cu launches the first kernel whose shared memory fits (96 KB on a V100); if
+    that one runs, delta is computed in the kernel and this term is 0 (an over-count: the plan errs safe). The
+    GPU kit's attention rows on a V100 settle which. The kernel's own fp32 workspace (gQ's accumulation, ~4 B per element) comes after the delta's
     temporaries are freed and is smaller: the larger counts. A bound for sdpa_docs, which calls SDPA once per
     document: the row as one document."""
     if capability != (7, 0) or attention not in ("sdpa", "sdpa_docs"):
@@ -514,8 +526,7 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     # QLoRA: prepare_model_for_kbit_training casts every non-4-bit 16-bit parameter to fp32 (peft 0.21.2
     # peft/utils/other.py:204-209), embeddings included, so the residual stream runs in fp32 under autocast.
     res = 4 if peft is not None and peft[0] == "qlora" else e
-    # DPO's pairs are right-padded without a mask (preference/objective.py collate): no mask, is_causal
-    padded = False if preference_chunk is not None else None
+    padded = pair_rows_padded(m, attention) if preference_chunk is not None else None
     act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger, padded=padded, residual_bytes=res,
                            fused_loss=preference_chunk is not None)
     parts = {"model states (DeepSpeed estimator)": states}

@@ -230,8 +230,9 @@ def format_plan(p: Plan) -> str:
                  f"max_memory_reserved {_gib(v.reserved).strip()}, nvidia-smi {_gib(v.nvidia_smi).strip()}")
     lines.append(f"  model states: {m.model_states_how}")
     if m.sm70_delta_bytes:
-        lines.append(f"  sm70 attention backward: SDPA's memory-efficient kernel computes delta outside the kernel "
-                     f"here (fp32 dO, O and their product, {m.sm70_delta_bytes / GiB:.2f} GiB) after the layer's MLP "
+        lines.append(f"  sm70 attention backward: SDPA's memory-efficient kernel may compute delta outside the kernel "
+                     f"here (if its 64x64 variant runs; unverified on a V100) (fp32 dO, O and their product, "
+                     f"{m.sm70_delta_bytes / GiB:.2f} GiB) after the layer's MLP "
                      f"freed {m.mlp_saved_bytes / GiB:.2f} GiB: "
                      f"+{max(0, m.sm70_delta_bytes - m.mlp_saved_bytes) / GiB:.2f} GiB (planner/memory.py)")
     if rb.batch_error:

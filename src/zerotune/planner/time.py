@@ -43,7 +43,9 @@ h is the pass's host work under ZeRO-3: DeepSpeed's Python for every module of e
 release with the trace, each collective's call), measured here per layer and pass on HF Llama's module tree
 (zero3_host_s_per_layer_pass; the forward pass 1 x, the backward pass 2 x with recompute). It runs ahead of the
 GPU's queue and costs time only where the pass's kernels and transfers are shorter: short rows, LoRA, small
-micro-batches. Reported as its own term, `host`, the part the GPU's work does not cover.
+micro-batches. Reported as its own term, `host`, the part the GPU's work does not cover. Optimistic in backward,
+where DeepSpeed holds the host within 2 outstanding reduce-scatters of the compute (stage3.py:1664-1667): the
+report also prints the step with none of it overlapped.
 
 Ignored, with their size: parameters below stage3_param_persistence_threshold stay resident (Llama's norms,
 < 0.01% of the bytes); parameters kept across the forward/backward turnaround (at most
