@@ -91,6 +91,7 @@ bench: setup  ## measured comparisons on this machine -> bench/results.md (+ res
 	$(PY) bench/bench_attention.py
 	$(PY) bench/bench_sequence_parallel.py
 	$(PY) bench/bench_zero3_host.py
+	$(PY) bench/bench_cpu_adam.py
 	ZEROTUNE_BENCH_RESULTS=bench/results $(PY) -m pytest -q tests/test_activation_memory.py
 	$(PY) -m pip install -q --no-deps --upgrade --target bench/work/trl-site -r bench/requirements-bench.txt
 	$(PY) bench/bench_train.py
