@@ -107,10 +107,12 @@ def hand_off(train_dir: Path, e: BaseException) -> int:
     (errors.read_handoff reads them back)."""
     local = int(os.environ.get("LOCAL_RANK", 0))
     name = HANDOFF if local == 0 else f"error.rank{os.environ.get('RANK', local)}.json"
+    if local == 0:  # printed before the handoff says so: torchrun may stop this rank once another has exited
+        report(e)
     mf.write_atomic(Path(train_dir) / name, json.dumps({"message": str(e), "type": type(e).__name__,
                                                         "rank": os.environ.get("RANK"), "printed": local == 0}))
     if local == 0:
-        return report(e)
+        return EXIT_CODE
     if debug():
         traceback.print_exception(e)
     return EXIT_CODE
