@@ -88,6 +88,7 @@ bench: setup  ## measured comparisons on this machine -> bench/results.md (+ res
 	$(PY) bench/bench_data_scale.py
 	$(PY) bench/bench_inference.py
 	$(PY) bench/bench_answers.py
+	$(PY) bench/bench_rollout.py
 	$(PY) bench/bench_attention.py
 	$(PY) bench/bench_sequence_parallel.py
 	$(PY) bench/bench_zero3_host.py

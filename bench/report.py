@@ -156,7 +156,7 @@ def main() -> int:
              "are context only.\n"]
     for name, title in (("train", None), ("data", None), ("data_scale", None),
                         ("inference", "## Inference (SmolLM2-135M, same prompts)"), ("answers", None),
-                        ("attention", None), ("sequence_parallel", None), ("zero3_host", None),
+                        ("rollout", None), ("attention", None), ("sequence_parallel", None), ("zero3_host", None),
                         ("cpu_adam", None)):
         md = RESULTS / f"{name}.md"
         if not md.exists():

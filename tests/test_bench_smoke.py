@@ -103,6 +103,20 @@ def test_bench_answers_small(tmp_path):
     assert "per CPU-second" in (tmp_path / "answers.md").read_text()
 
 
+@pytest.mark.integration
+@pytest.mark.extended  # make bench runs it in full
+def test_bench_rollout_small(tmp_path):
+    # both rollout paths (generate() with num_return_sequences, transformers' generate_batch) at a tiny size
+    _run(["bench/bench_rollout.py", "--prompts", "1", "--group", "2", "--new-tokens", "3", "--repeats", "1",
+          "--out", str(tmp_path / "rollout")])
+    res = json.loads((tmp_path / "rollout.json").read_text())
+    (size,) = res["sizes"]
+    assert size["sequences"] == 2 and set(size["median"]) == {"hf_generate", "generate_batch"}
+    assert all(0 < m["tokens"] <= 2 * 3 for m in size["median"].values())
+    assert len(size["ratio_generate_batch_over_hf_generate"]["tokens_per_cpu_s"]["per_repeat"]) == 1
+    assert "generate_batch / hf_generate" in (tmp_path / "rollout.md").read_text()
+
+
 def test_history_compares_runs_of_the_same_settings_only(tmp_path):
     import datetime
 

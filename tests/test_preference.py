@@ -249,7 +249,8 @@ def test_fp16_gradients_stay_finite_when_d_loss_d_logp_is_large(monkeypatch):
 
     def grads(dtype):
         hh, ww = h.to(dtype).detach().requires_grad_(), w.to(dtype).detach().requires_grad_()
-        loss, _, _ = pl.FusedPairLoss.apply(hh, ww, targets, rows, ref, pl.dpo_loss_fn(0.005, "sppo_hard"), 4, None)
+        fn = pl.per_row(pl.dpo_loss_fn(0.005, "sppo_hard"), ref, rows, 4)
+        loss = pl.FusedTokenLoss.apply(hh, ww, targets, fn, 4, None)[0]
         loss.backward()
         return hh.grad.float(), ww.grad.float()
 

@@ -14,6 +14,7 @@ CASES = {
     "json_valid": ({"answer": "{}"}, '```json\n{"a": [1, 2]}\n```', "{'a': 1}"),
     "json_fields": ({"answer": '{"name": "Ada", "age": 36}'}, '{"age": 36, "name": "Ada", "x": 1}',
                     '{"name": "Ada", "age": "36"}'),
+    "json_field_share": ({"answer": '{"name": "Ada", "age": 36}'}, '{"age": 36, "name": "Ada"}', '{"nom": "Ada"}'),
 }
 
 
@@ -26,6 +27,13 @@ def test_hit_and_near_miss(name):
     row, hit, miss = CASES[name]
     assert score(name, hit, row) == 1.0
     assert score(name, miss, row) == 0.0
+
+
+def test_json_field_share_gives_partial_credit_per_field():
+    row = {"answer": '{"name": "Ada", "age": 36, "city": "Leiden"}'}
+    assert score("json_field_share", '{"name": "Ada", "age": 36, "city": "Lisbon"}', row) == pytest.approx(2 / 3)
+    assert score("json_fields", '{"name": "Ada", "age": 36, "city": "Lisbon"}', row) == 0.0
+    assert score("json_field_share", "not json", row) == 0.0
 
 
 def test_normalize():

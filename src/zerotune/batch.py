@@ -6,7 +6,8 @@ and must divide exactly. With sequence parallelism (train.sequence_parallel = N)
 ranks of a group share each row, so the ranks that see different rows are world / N
 (`data_parallel`): every count of rows per step is over them. A preference pair (preference.method: dpo) is one sample of
 two rows, chosen and rejected, each up to seq_len: it counts 2 x seq_len tokens
-(`rows`), the padded bound its micro-batch is planned at.
+(`rows`), the padded bound its micro-batch is planned at. A GRPO prompt (rl.method: grpo) is one sample of G
+rows, its G sampled completions (rl.group_size).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class BatchPlan:
     micro_batch_size: int
     world_size: int
     grad_accum: int
-    rows: int = 1  # rows per sample: 2 for a preference pair (chosen + rejected); micro_batch_size counts samples
+    rows: int = 1  # rows per sample: 2 for a preference pair (chosen + rejected), G for a GRPO prompt; micro_batch_size counts samples
+    grpo: bool = False  # a sample is a prompt and its rows its G completions
     sequence_parallel: int = 1  # ranks sharing one row (DeepSpeed Ulysses)
 
     @property
@@ -71,6 +73,11 @@ class BatchPlan:
         ranks = (f"world {self.world_size}" if self.sequence_parallel == 1 else
                  f"data-parallel {self.data_parallel} (world {self.world_size} / sequence-parallel "
                  f"{self.sequence_parallel})")
+        if self.grpo:
+            return (f"global batch {self.global_batch_tokens:,} tokens = {self.rows} completions x seq_len "
+                    f"{self.seq_len:,} x micro-batch {self.micro_batch_size} prompts x {ranks} x "
+                    f"grad-accum {self.grad_accum} ({self.sequences_per_step:,} prompts, "
+                    f"{self.sequences_per_step * self.rows:,} completions per optimizer step)")
         if self.rows == 2:
             return (f"global batch {self.global_batch_tokens:,} tokens = 2 rows (chosen, rejected) x seq_len "
                     f"{self.seq_len:,} x micro-batch {self.micro_batch_size} pairs x {ranks} x "
@@ -81,15 +88,16 @@ class BatchPlan:
 
 
 def rows_per_sample(r) -> int:
-    """2 for a recipe that trains on preference pairs (config.Recipe.pairs), else 1."""
-    return 2 if r.pairs else 1
+    """2 for a recipe that trains on preference pairs (config.Recipe.pairs), G for GRPO (its completions per
+    prompt), else 1."""
+    return 2 if r.pairs else r.rl.group_size if r.grpo else 1
 
 
 def length_grouped(r) -> bool:
     """Whether the Trainer batches by length: unpacked SFT rows are (less padding). Preference pairs are drawn at
     random: a length-grouped epoch's order depends on grad-accum (reshard.refuse_unresumable), so a resume at
     another world size could not keep it."""
-    return not r.data.packing and not r.pairs
+    return not r.data.packing and not r.pairs and not r.grpo
 
 
 def grad_accum(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int, rows: int = 1) -> int:
@@ -99,7 +107,7 @@ def grad_accum(global_batch_tokens: int, seq_len: int, micro_batch_size: int, wo
 
 
 def derive(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_size: int,
-           rows: int = 1, sequence_parallel: int = 1) -> BatchPlan:
+           rows: int = 1, sequence_parallel: int = 1, grpo: bool = False) -> BatchPlan:
     if world_size % sequence_parallel:
         raise BatchError(f"{world_size} ranks cannot be split into groups of train.sequence_parallel="
                          f"{sequence_parallel}: run on a multiple of {sequence_parallel} GPUs (or train.cpu_procs), "
@@ -110,18 +118,20 @@ def derive(global_batch_tokens: int, seq_len: int, micro_batch_size: int, world_
         lo = max(1, global_batch_tokens // per)
         hi = lo + 1
         ranks = "world" if sequence_parallel == 1 else "data-parallel ranks (world / sequence_parallel)"
-        what = (f"2 rows x seq_len x micro-batch (pairs) x {ranks}" if rows == 2 else
+        what = (f"rl.group_size x seq_len x micro-batch (prompts) x {ranks}" if grpo else
+                f"2 rows x seq_len x micro-batch (pairs) x {ranks}" if rows == 2 else
                 f"seq_len x micro-batch x {ranks}")
-        factors = " x ".join(str(x) for x in ((2,) if rows == 2 else ()) + (seq_len, micro_batch_size, dp))
+        factors = " x ".join(str(x) for x in ((rows,) if rows > 1 else ()) + (seq_len, micro_batch_size, dp))
         raise BatchError(
             f"train.global_batch_tokens={global_batch_tokens:,} is not a multiple of {what} "
             f"= {factors} = {per:,}. Nearest valid: {lo * per:,} "
             f"(grad-accum {lo}) or {hi * per:,} (grad-accum {hi}).")
     return BatchPlan(global_batch_tokens, seq_len, micro_batch_size, world_size,
-                     grad_accum(global_batch_tokens, seq_len, micro_batch_size, dp, rows), rows, sequence_parallel)
+                     grad_accum(global_batch_tokens, seq_len, micro_batch_size, dp, rows), rows, sequence_parallel,
+                     grpo)
 
 
 def of_recipe(r, world_size: int) -> BatchPlan:
     """The recipe's own batch on `world_size` ranks: the one call every stage makes (worker, planner, resharding)."""
     return derive(r.train.global_batch_tokens, r.data.seq_len, r.train.micro_batch_size, world_size,
-                  rows_per_sample(r), r.train.sequence_parallel)
+                  rows_per_sample(r), r.train.sequence_parallel, r.grpo)

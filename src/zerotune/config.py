@@ -134,6 +134,29 @@ class PreferenceCfg:
     chunk_tokens: int = _f(1024, "Completion tokens whose vocabulary-wide logits are alive at once in the fused DPO loss (memory: chunk x vocab x ~12 B)", AT_LEAST_1)
 
 
+# GRPO's loss normalisations that split exactly over micro-batches and ranks (rl/loss.py): grpo = each completion's
+# token mean, then the mean over completions; dr_grpo = the sum over tokens / (completions x max_new_tokens). Liger's
+# bnpo/dapo divide by the step's completion tokens, known only after every rollout of the step.
+GRPO_LOSSES = ("grpo", "dr_grpo")
+
+
+@dataclass
+class RlCfg:
+    method: Literal["none", "grpo"] = _f("none", "none = no reinforcement learning; grpo = Group Relative Policy Optimization with verifiable rewards: the model answers each training prompt group_size times and learns from each answer's reward against its group's (docs/training.md#rl-with-verifiable-rewards-grpo)")
+    group_size: int = _f(8, "Completions sampled per prompt (G); each is one row of the micro-batch: micro_batch_size prompts x G rows", Bound(2, None))
+    reward: str = _f("exact", "What scores a completion against its prompt's reference (the last assistant turn of the training row): a scorer (" + ", ".join(SCORERS) + "), or your function by dotted path, e.g. my_rewards.score (module on PYTHONPATH or the repo root): f(completion: str, row: dict) -> float, row = {messages, answer}")
+    reward_timeout_s: float = _f(10.0, "Seconds one reward call may take; past it the call is stopped and counted as an error", POSITIVE)
+    on_reward_error: Literal["stop", "skip"] = _f("stop", "A reward that raises, times out or returns a non-number: stop = the run stops with one line naming the function and the prompt; skip = the prompt's group is left out of the step (no gradient from it) and counted in the log")
+    scale_rewards: bool = _f(True, "Advantages = (reward - group mean) / (group std + 1e-4), as GRPO; false = reward - group mean, Dr. GRPO's unbiased estimate")
+    loss: Literal[GRPO_LOSSES] = _f("grpo", "Token normalisation: grpo = each completion's mean over its tokens, then the mean over completions; dr_grpo = the sum over all tokens / (completions x max_new_tokens) (Dr. GRPO: no length bias)")
+    beta: float = _f(0.0, "Weight of the KL to the starting model (k3 estimator per token); 0 = none, and no reference pass", NON_NEGATIVE)
+    epsilon: float = _f(0.2, "Clip range of the ratio to the rollout policy: [1 - epsilon, 1 + epsilon]", POSITIVE)
+    max_new_tokens: int = _f(64, "Longest completion a rollout samples; the prompt and its completion must fit in data.seq_len", AT_LEAST_1)
+    temperature: float = _f(1.0, "Sampling temperature of the rollouts; the policy's log-probs are of the same tempered distribution", POSITIVE)
+    top_p: float = _f(1.0, "Nucleus sampling of the rollouts (1 = off)", Bound(0, 1, lo_open=True))
+    chunk_tokens: int = _f(1024, "Completion tokens whose vocabulary-wide logits are alive at once in the fused GRPO loss", AT_LEAST_1)
+
+
 QuantName = Literal[tuple(QUANT_TYPES)]  # one list of types: the table in quant_types.py
 
 
@@ -213,6 +236,7 @@ class Recipe:
     train: TrainCfg = _f(None, "Training")
     peft: PeftCfg = _f(None, "Parameter-efficient fine-tuning (LoRA / QLoRA); merged into runs/<name>/model after training")
     preference: PreferenceCfg = _f(None, "Preference tuning (DPO) on chosen/rejected pairs instead of supervised fine-tuning")
+    rl: RlCfg = _f(None, "Reinforcement learning with verifiable rewards (GRPO) on prompts with references, instead of supervised fine-tuning")
     quantize: QuantizeCfg = _f(None, "GGUF export")
     check: CheckCfg = _f(None, "Inference check")
     eval: EvalCfg = _f(None, "Evaluation: held-out sets, in-training samples, lm-evaluation-harness")
@@ -223,6 +247,11 @@ class Recipe:
     def pairs(self) -> bool:
         """The recipe trains on chosen/rejected pairs (DPO): its data rows are pairs, its micro-batches two rows each."""
         return self.preference.method != "none"
+
+    @property
+    def grpo(self) -> bool:
+        """The recipe trains by GRPO: its data rows are prompts with a reference answer, G completions each."""
+        return self.rl.method == "grpo"
 
     def eval_sets(self) -> list[EvalSetCfg]:
         """The held-out sets every stage scores (eval, check, in-training samples); without eval.sets, data.heldout
@@ -245,7 +274,7 @@ class Recipe:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 _SECTION_CLASSES = {"model": ModelCfg, "data": DataCfg, "train": TrainCfg, "peft": PeftCfg,
-                    "preference": PreferenceCfg, "quantize": QuantizeCfg,
+                    "preference": PreferenceCfg, "rl": RlCfg, "quantize": QuantizeCfg,
                     "check": CheckCfg, "eval": EvalCfg, "serve": ServeCfg, "plan": PlanCfg}
 
 
@@ -387,6 +416,7 @@ def _validate(r: Recipe, where: str) -> None:
         if not all(isinstance(m, str) for m in r.peft.modules_to_save):
             raise RecipeError(f"{where}: peft.modules_to_save must be a list of module names.")
     _validate_preference(r, where)
+    _validate_rl(r, where)
     _validate_sequence_parallel(r, where)
     if r.peft.method == "qlora" and r.train.deepspeed:
         raise RecipeError(f"{where}: peft.method=qlora trains a 4-bit bitsandbytes base, which DeepSpeed ZeRO cannot "
@@ -436,6 +466,35 @@ def check_sequence_parallel_heads(r: Recipe, heads: int, kv_heads: int) -> None:
         raise RecipeError(f"{r.name}: train.sequence_parallel={n} does not split this model's {heads} attention heads "
                           f"({kv_heads} key/value heads) evenly over {n} ranks; choose "
                           + (" or ".join(map(str, ok)) if ok else "1 (no divisor works)") + ".")
+
+
+def _validate_rl(r: Recipe, where: str) -> None:
+    """GRPO reads chat rows as prompt + reference answer (the last assistant turn), one row per prompt."""
+    if not r.grpo:
+        return
+    rl = r.rl
+    if r.pairs:
+        raise RecipeError(f"{where}: rl.method=grpo and preference.method={r.preference.method} are two objectives; "
+                          f"run DPO first as its own recipe and start GRPO from its model (model.name_or_path).")
+    if r.data.packing:
+        raise RecipeError(f"{where}: rl.method=grpo: prompts are not packed (each is answered group_size times); set "
+                          f"data.packing: false.")
+    if r.data.replay is not None:
+        raise RecipeError(f"{where}: data.replay mixes supervised conversations into training, and rl.method=grpo "
+                          f"learns from rewards only; set data.replay: null.")
+    if rl.beta > 0:
+        raise RecipeError(f"{where}: rl.beta={rl.beta}: the KL to the starting model needs its log-probs for every new "
+                          f"rollout (a reference pass per step), which zerotune's GRPO does not compute yet; set "
+                          f"rl.beta: 0 (the clipped ratio alone keeps each step near the rollout policy).")
+    if r.train.sequence_parallel > 1:
+        raise RecipeError(f"{where}: train.sequence_parallel={r.train.sequence_parallel} with rl.method=grpo: "
+                          f"rollouts are generated whole on each rank; set train.sequence_parallel: 1.")
+    if rl.max_new_tokens >= r.data.seq_len:
+        raise RecipeError(f"{where}: rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in "
+                          f"data.seq_len={r.data.seq_len}; raise data.seq_len or lower rl.max_new_tokens.")
+    if rl.reward not in SCORERS and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", rl.reward):
+        raise RecipeError(f"{where}: rl.reward={rl.reward!r} is neither a scorer ({', '.join(SCORERS)}) nor a "
+                          f"function's dotted path (module.function, e.g. my_rewards.score).")
 
 
 def _validate_preference(r: Recipe, where: str) -> None:

@@ -9,7 +9,7 @@ Enabled only by environment variables that the tests set; inert otherwise.
 - ZEROTUNE_FAULT_EVAL_OOM_STEP=N: the validation of step N runs out of memory, as a 16K eval forward that
   materialises the logits does on a V100: the step must already be committed.
 - ZEROTUNE_FAULT_NO_ROOM_TO_GATHER=1: the in-training samples find no room to gather the whole model (as one 8xV100
-  node at 8B), so generate() gathers per token under ZeRO-3 (train/validation.py whole_model).
+  node at 8B), so generate() gathers per token under ZeRO-3 (gathering.py whole_model).
 - ZEROTUNE_FAULT_KILL_WHILE_CONVERTING=1: the launcher is killed (SIGKILL, as a node failure or scancel's
   second signal would) while it converts a checkpoint to another world size, after DeepSpeed has written the
   conversion and before it is checked and published: the original must be intact and the next attempt resume.

@@ -308,8 +308,9 @@ class StepMetrics(TrainerCallback):
             return
         row = self.rows[-1] if self.rows and self.rows[-1]["step"] == state.global_step else {"step": state.global_step}
         row.update({k: logs[k] for k in ("loss", "grad_norm", "learning_rate", "epoch") if k in logs})
-        # an objective's own statistics (DPO: rewards/accuracy, rewards/margin, logps/...; preference/objective.py)
-        row.update({k: v for k, v in logs.items() if k.startswith(("rewards/", "logps/"))})
+        # an objective's own statistics (DPO: rewards/accuracy, rewards/margin, logps/...; preference/objective.py;
+        # GRPO: rl/reward, rl/zero_std_groups, ...; rl/objective.py)
+        row.update({k: v for k, v in logs.items() if k.startswith(("rewards/", "logps/", "rl/"))})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         mf.append_jsonl(self.path, row)
         parts = [f"step {row['step']}", f"loss {row.get('loss', float('nan')):.4f}"]
@@ -317,6 +318,12 @@ class StepMetrics(TrainerCallback):
             parts.append(f"grad_norm {row['grad_norm']:.3f}")
         if "rewards/accuracy" in row:
             parts.append(f"reward acc {row['rewards/accuracy']:.3f} margin {row['rewards/margin']:.4f}")
+        if "rl/reward" in row:  # GRPO: what the rollouts scored, and how much of the step could teach anything
+            parts.append(f"reward {row['rl/reward']:.3f} +- {row['rl/reward_std']:.3f}, groups without spread "
+                         f"{row['rl/zero_std_groups']:.0%}"
+                         + (f", skipped {row['rl/skipped_groups']:.0f}" if "rl/skipped_groups" in row else "")
+                         + f", completions {row['rl/completion_tokens']:.1f} tok ({row['rl/truncated']:.0%} cut), "
+                           f"clipped {row['rl/clip_fraction']:.1%}, rollout {row['rl/rollout_s']:.1f}s")
         if "learning_rate" in row:
             parts.append(f"lr {row['learning_rate']:.2e}")
         if row.get("tokens_per_s"):

@@ -107,6 +107,17 @@ def json_fields(prediction: str, row: dict) -> float:
     return float(all(k in got and got[k] == v for k, v in ref.items()))
 
 
+def json_field_share(prediction: str, row: dict) -> float:
+    """json_fields with partial credit: the share of the reference's fields the prediction gets right (a GRPO
+    reward that tells a record with one wrong field from a record with none right)."""
+    got, ref = _json(prediction), _json(str(row["answer"]))
+    if not isinstance(ref, dict):
+        raise ValueError(f"scorer 'json_field_share' needs each answer to be a JSON object; got {row['answer']!r}.")
+    if not isinstance(got, dict) or not ref:
+        return float(isinstance(got, dict) and got == ref)
+    return sum(k in got and got[k] == v for k, v in ref.items()) / len(ref)
+
+
 SCORERS: dict[str, Callable[[str, dict], float]] = {
     "exact": exact,
     "normalized": normalized,
@@ -115,6 +126,7 @@ SCORERS: dict[str, Callable[[str, dict], float]] = {
     "numeric": numeric,
     "json_valid": json_valid,
     "json_fields": json_fields,
+    "json_field_share": json_field_share,
 }
 
 
@@ -148,6 +160,7 @@ def json_shaped(prediction: str) -> bool:
 FORMATS: dict[str, Callable[[str], bool]] = {
     "json_valid": json_shaped,
     "json_fields": json_shaped,
+    "json_field_share": json_shaped,
 }
 
 

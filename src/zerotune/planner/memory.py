@@ -274,7 +274,7 @@ def logits_loss_bytes(m: ModelShape, tokens: int, dtype_bytes: int, liger: bool,
 
 def preference_loss_bytes(m: ModelShape, tokens: int, dtype_bytes: int, chunk: int,
                           lm_head_trainable: bool = True) -> tuple[int, str]:
-    """Peak of DPO's fused loss for one micro-batch of `tokens` tokens (preference/loss.py FusedPairLoss), bounded by
+    """Peak of DPO's fused loss for one micro-batch of `tokens` tokens (preference/loss.py FusedTokenLoss), bounded by
     taking every token as a label (completions as long as the rows). Forward: the label positions' hidden states
     (e B) and their fp32 gradient, lm_head's fp32 gradient (4 B x vocab x hidden), and one chunk's fp32 logits,
     softmax-gradient and its 16-bit copy ((8 + e) B x chunk x vocab). Backward scales the saved gradients: lm_head's

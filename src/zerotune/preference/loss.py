@@ -16,7 +16,7 @@ vocabulary is 1.05e9 logits, 2.1 GB in fp16 plus 4.2 GB in fp32 plus 4.2 GB of l
 of it: the logits this path exists to avoid. It also takes the reference model's hidden states and lm_head weight
 (ref_input, ref_weight), not log-probabilities computed once, so the reference model would stay in GPU memory.
 
-So the log-probabilities are ours (`FusedPairLoss`, plain torch, the same on CPU and GPU): only positions that predict a
+So the log-probabilities are ours (`FusedTokenLoss`, plain torch, the same on CPU and GPU): only positions that predict a
 label token meet lm_head (a prompt's tokens never do), `chunk_tokens` of them at a time, and, as Liger's fused losses
 do, the gradients of the hidden states and of lm_head's weight are computed in forward: the log-probabilities first
 (no grad), then the loss and its gradient per row on those few numbers, then each chunk's logits again to turn that
@@ -48,44 +48,56 @@ def label_positions(labels):
     return rows, pos, nxt[rows, pos]
 
 
-def _logits(h, weight, softcap):
+def _logits(h, weight, softcap, temperature: float = 1.0):
+    """The model's logits at h (Gemma's final softcap included), divided by the sampling temperature: a rollout's
+    tokens were drawn from softmax(logits / temperature), so GRPO's log-probs are of that distribution (TRL's)."""
     z = (h @ weight.t()).float()
-    return softcap * torch.tanh(z / softcap) if softcap else z
+    z = softcap * torch.tanh(z / softcap) if softcap else z
+    return z / temperature if temperature != 1.0 else z
 
 
-def sequence_logps(h, weight, targets, rows, n_rows: int, chunk: int, softcap=None):
-    """Per row, the sum of log p(target) over its label positions: (n_rows,) fp32, `chunk` positions' logits at a time.
-    h: (N, hidden) hidden states at the N label positions; rows: (N,) their row."""
-    out = torch.zeros(n_rows, dtype=torch.float32, device=h.device)
+def token_logps(h, weight, targets, chunk: int, softcap=None, temperature: float = 1.0):
+    """log p(target) at each of the N label positions: (N,) fp32, `chunk` positions' logits at a time, no grad.
+    h: (N, hidden) hidden states at those positions."""
+    out = torch.empty(len(targets), dtype=torch.float32, device=h.device)
     with torch.no_grad():
         for s in range(0, len(targets), chunk):
-            z = _logits(h[s:s + chunk], weight, softcap)
-            lp = z.gather(1, targets[s:s + chunk, None])[:, 0] - torch.logsumexp(z, -1)
-            out.index_add_(0, rows[s:s + chunk], lp)
+            z = _logits(h[s:s + chunk], weight, softcap, temperature)
+            out[s:s + chunk] = z.gather(1, targets[s:s + chunk, None])[:, 0] - torch.logsumexp(z, -1)
     return out
 
 
-class FusedPairLoss(torch.autograd.Function):
-    """loss_fn(per-row log-probs) with the gradients of h and lm_head's weight computed in forward (module docstring).
-    Returns (loss, per-row log-probs, per-row rewards); only the loss is differentiable."""
+def sequence_logps(h, weight, targets, rows, n_rows: int, chunk: int, softcap=None):
+    """Per row, the sum of log p(target) over its label positions: (n_rows,) fp32. rows: (N,) each position's row."""
+    out = torch.zeros(n_rows, dtype=torch.float32, device=h.device)
+    return out.index_add_(0, rows, token_logps(h, weight, targets, chunk, softcap))
+
+
+class FusedTokenLoss(torch.autograd.Function):
+    """loss_fn(per-token log-probs) with the gradients of h and lm_head's weight computed in forward (module
+    docstring): the log-probs at the N label positions first (no grad), then the loss and its gradient per token on
+    those N numbers, then each chunk's logits again to turn that into gradients. loss_fn: (N,) fp32 -> (loss, tuple
+    of tensors it reports, e.g. per-row rewards). Returns (loss, per-token log-probs, *reported); only the loss is
+    differentiable. DPO's loss reads per-row sums (pair_forward), GRPO's per-token values (rl/loss.py)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, rows, ref, loss_fn, chunk: int, softcap):
-        logps = sequence_logps(h, weight, targets, rows, ref.numel(), chunk, softcap)
-        tokens = torch.bincount(rows, minlength=ref.numel())
+    def forward(ctx, h, weight, targets, loss_fn, chunk: int, softcap, temperature: float = 1.0):
+        logps = token_logps(h, weight, targets, chunk, softcap, temperature)
         with torch.enable_grad():
             x = logps.detach().requires_grad_()
-            loss, rewards = loss_fn(x, ref, tokens)
-            (g,) = torch.autograd.grad(loss, x)  # d loss / d log p(row): the weight of each row's tokens
+            loss, reported = loss_fn(x)
+            (g,) = torch.autograd.grad(loss, x)  # d loss / d log p(token): each token's weight
         grad_h = torch.zeros(h.shape, dtype=torch.float32, device=h.device) if h.requires_grad else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if weight.requires_grad else None
-        scale = 1.0 if weight.dtype == torch.float32 else _grad_scale(float(g.abs().max()))
+        scale = 1.0 if weight.dtype == torch.float32 else _grad_scale(float(g.abs().max()) if g.numel() else 0.0)
         for s in range(0, len(targets), chunk):
-            h_c, t = h[s:s + chunk], targets[s:s + chunk]
-            gr = g[rows[s:s + chunk]]
-            z = _logits(h_c, weight, softcap)
+            h_c, t, gr = h[s:s + chunk], targets[s:s + chunk], g[s:s + chunk]
+            z = _logits(h_c, weight, softcap, temperature)
             gz = torch.softmax(z, -1).mul_(-gr[:, None])  # d (sum gr x log p(t)) / dz = gr x (onehot(t) - softmax)
             gz[torch.arange(len(t), device=t.device), t] += gr
+            if temperature != 1.0:
+                gz.div_(temperature)  # through z / temperature
+                z.mul_(temperature)
             if softcap:
                 gz.mul_(1 - (z / softcap) ** 2)  # through softcap x tanh(z / softcap)
             del z
@@ -95,19 +107,19 @@ class FusedPairLoss(torch.autograd.Function):
                 grad_w.addmm_(gz.t(), h_c.float())
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
-        rewards = rewards.detach()
-        ctx.mark_non_differentiable(logps, rewards)
-        return loss.detach(), logps, rewards
+        reported = tuple(t.detach() for t in reported)
+        ctx.mark_non_differentiable(logps, *reported)
+        return (loss.detach(), logps, *reported)
 
     @staticmethod
-    def backward(ctx, g_loss, _logps, _rewards):
+    def backward(ctx, g_loss, *_):
         # in place: a second fp32 copy of lm_head's gradient (2.1 GB at 8B) would sit beside the saved one while
         # ZeRO-3 gathers the head for the body's backward. Backward runs once per forward (no retain_graph).
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         out_h = None if grad_h is None else grad_h.mul_(g_loss).to(h_dtype)
         out_w = None if grad_w is None else grad_w.mul_(g_loss).to(w_dtype)
-        return out_h, out_w, None, None, None, None, None, None
+        return out_h, out_w, None, None, None, None, None
 
 
 def _grad_scale(g_max: float) -> float:
@@ -143,6 +155,19 @@ def dpo_loss_fn(beta: float, loss_type: str, label_smoothing: float = 0.0, nll_a
     return fn
 
 
+def per_row(loss_fn, ref, rows, n_rows: int):
+    """DPO's loss_fn(per-row log-probs, ref, per-row token counts) as FusedTokenLoss takes it: on per-token log-probs,
+    each row's the sum of its tokens'; reports (per-row log-probs, per-row rewards)."""
+    tokens = torch.bincount(rows, minlength=n_rows)
+
+    def fn(x):
+        logps = torch.zeros(n_rows, dtype=x.dtype, device=x.device).index_add(0, rows, x)
+        loss, rewards = loss_fn(logps, ref, tokens)
+        return loss, (logps, rewards)
+
+    return fn
+
+
 def pair_forward(model, input_ids, position_ids, labels, ref_logps=None, loss_fn=None, chunk: int = 1024):
     """The decoder, then the completions' log-probs (ref_logps None: no grad, e.g. the reference pass) or the DPO loss.
     Runs inside the top module's forward (attach), where ZeRO-3 gathered lm_head's weight. The rows are right-padded
@@ -155,32 +180,43 @@ def pair_forward(model, input_ids, position_ids, labels, ref_logps=None, loss_fn
     n_rows = input_ids.shape[0]
     if ref_logps is None:
         return {"logps": sequence_logps(hidden[rows, pos].detach(), weight, targets, rows, n_rows, chunk, softcap)}
-    loss, logps, rewards = FusedPairLoss.apply(hidden[rows, pos], weight, targets, rows, ref_logps.float(),
-                                               loss_fn, chunk, softcap)
+    loss, _, logps, rewards = FusedTokenLoss.apply(hidden[rows, pos], weight, targets,
+                                                   per_row(loss_fn, ref_logps.float(), rows, n_rows), chunk, softcap)
     return {"loss": loss, "logps": logps, "rewards": rewards}
 
 
 def attach(model, loss_fn, chunk: int) -> None:
     """model(..., pair_logps=True) returns the completions' log-probs, model(..., ref_logps=...) DPO's loss; every other
-    call (generation, validation of SFT rows, the save's probe) goes to the model's own forward. On the instance, not
-    the class: the Trainer's DeepSpeed engine calls the module, so this runs inside its forward and its hooks."""
+    call (generation, validation of SFT rows, the save's probe) goes to the model's own forward."""
+    def route(kw, pair_logps: bool = False, ref_logps=None):
+        if not pair_logps and ref_logps is None:
+            return None
+        return pair_forward(model, kw["input_ids"], kw.get("position_ids"), kw["labels"], ref_logps, loss_fn, chunk)
+
+    attach_forward(model, {"pair_logps": False, "ref_logps": None}, route)
+
+
+def attach_forward(model, extra: dict, route) -> None:
+    """Give the model's forward the keyword arguments `extra` (name: default): route(kw, **those) answers a call
+    that uses them (e.g. with DPO's or GRPO's loss) or returns None, and the model's own forward takes it. On the
+    instance, not the class: the Trainer's DeepSpeed engine calls the module, so this runs inside its forward and
+    its hooks (ZeRO-3 has lm_head gathered)."""
     import functools
     import inspect
 
     own = model.forward
 
     @functools.wraps(own)
-    def forward(*args, pair_logps: bool = False, ref_logps=None, **kw):
-        if not pair_logps and ref_logps is None:
-            return own(*args, **kw)
-        return pair_forward(model, kw["input_ids"], kw.get("position_ids"), kw["labels"], ref_logps, loss_fn, chunk)
+    def forward(*args, **kw):
+        mine = {k: kw.pop(k) for k in extra if k in kw}
+        out = route(kw, **mine) if mine else None
+        return own(*args, **kw) if out is None else out
 
     # generate() reads the forward's signature (transformers generation/utils.py: logits_to_keep, position ids from
-    # the mask for left-padded prompts): it must see the model's own parameters, with the two added
+    # the mask for left-padded prompts): it must see the model's own parameters, with the added ones
     sig = inspect.signature(own)
     params = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD]
-    extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d) for n, d in (("pair_logps", False),
-                                                                                           ("ref_logps", None))]
+    added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d) for n, d in extra.items()]
     var_kw = [p for p in sig.parameters.values() if p.kind == p.VAR_KEYWORD]
-    forward.__signature__ = sig.replace(parameters=params + extra + var_kw)
+    forward.__signature__ = sig.replace(parameters=params + added + var_kw)
     model.forward = forward

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 
 from transformers import TrainerCallback
@@ -43,6 +42,7 @@ from ..config import Recipe
 from ..data.cache import load_tokenizer
 from ..families import answer_text, of_config
 from ..hub import local_folder
+from ..gathering import whole_model
 from ..layout import layout
 from ..metrics import dist_if_initialized
 from ..planner.records import Plan
@@ -286,55 +286,6 @@ class EvalDuringTraining(TrainerCallback):
                     cols = ["step", "set", "prompt", "reference", "prediction", "score"]
                     logs["eval/samples"] = wandb.Table(columns=cols, data=[[s[c] for c in cols] for s in samples])
                 wandb.log({**logs, "train/global_step": step})
-
-
-@contextlib.contextmanager
-def whole_model(engine, device):
-    """Generate with every parameter gathered once, not once per new token: under ZeRO-3 each forward of generate()
-    gathers the whole model again (at 8B, 16 GB per token; across nodes ~1.6 s a token, planner/time.py
-    phase_times). DeepSpeed's own unwrap_model_for_generation (deepspeed 0.19.8 runtime/zero/stage3.py:94-123, as
-    TRL's of the same name) gathers the parameters on every rank, takes ZeRO-3's module hooks off so no forward
-    releases them, and puts them back after (re-registering invalidates the trace, parameter_offload.py:337-343).
-    Only where every rank has room for the whole 16-bit model beside what it holds (room_to_gather, agreed over
-    ranks; the plan predicts the same with its samples phase); else per-token gathers, and the context yields False."""
-    from deepspeed.runtime.zero import unwrap_model_for_generation
-
-    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
-    if offload is None or not room_to_gather(offload.module, device):
-        yield False
-        return
-    with unwrap_model_for_generation(engine):
-        yield True
-
-
-def room_to_gather(module, device) -> bool:
-    """Whether every rank can hold the whole model in its 16-bit dtype beside what it holds now: free device memory
-    (a GPU's, or the host's available RAM shared by this node's ranks) at least 1.25x the model (the generation's
-    KV cache and activations in the rest), the minimum over ranks (the gather is a collective: all or none)."""
-    import torch
-    import torch.distributed as dist
-
-    whole = sum(p.ds_numel * p.ds_tensor.element_size() for p in module.parameters())
-    if torch.cuda.is_available():
-        # the driver's free memory does not count what PyTorch's allocator holds cached from the training step (at
-        # a 16K step, most of the card): hand it back first, as the gather would reuse it anyway
-        torch.cuda.empty_cache()
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = _available_ram() / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    ok = torch.tensor(0.0 if faults.no_room_to_gather() or free < 1.25 * whole else 1.0, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    return bool(ok.item())
-
-
-def _available_ram() -> float:
-    """The host's MemAvailable (Linux /proc/meminfo), in bytes; 0 where unknown (then nothing is gathered)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return 0.0
 
 
 def _sample_prompts(r: Recipe):

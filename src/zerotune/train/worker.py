@@ -25,6 +25,7 @@ from ..data.cache import load_tokenizer, require_prepared
 from ..layout import RunLayout, layout
 from ..metrics import StepMetrics, flops_per_token
 from ..preference import objective as preference
+from ..rl import objective as grpo
 from ..safety import SafetyChecks, scaler_gave_up
 from ..stopping import REQUEUE_EXIT, StopBeforeTraining, TrainingComplete
 from ..verify import model_dtype, probe_inputs
@@ -87,7 +88,7 @@ class Run:
     universal: Path | None = None  # resuming a checkpoint of another world size: its conversion (reshard.py)
     saved_world: int | None = None  # ... and the world size that wrote it
     family: families.Family | None = None  # the model's family (families.py): Liger patch, precision limits
-    objective: preference.Objective | None = None  # preference tuning (DPO): collate, loss, Trainer, reference pass
+    objective: preference.Objective | grpo.Objective | None = None  # DPO or GRPO: collate, loss, Trainer, their callbacks
     probe_collate: object = None  # collates the row the save's verification probe is cut from (an SFT row)
 
     @property
@@ -147,7 +148,9 @@ def setup(r: Recipe) -> Run:
         quiet.drop_log("accelerate.accelerator", f"GradientAccumulationPlugin has 1, DeepSpeed config has {bp.grad_accum}.")
     sft_collate = (collate_packed if r.data.packing else
                    make_collate_padded(data_manifest["pad_token_id"], r.train.sequence_parallel))
-    objective = preference.for_recipe(r, data_manifest["pad_token_id"])  # DPO's pieces (preference/); None: SFT
+    # DPO's pieces (preference/) or GRPO's (rl/); None: SFT
+    objective = (preference.for_recipe(r, data_manifest["pad_token_id"])
+                 or grpo.for_recipe(r, data_manifest["pad_token_id"]))
     collate = objective.collate if objective else sft_collate
     run = Run(paths, rank, world, gpu, choice, bp, data_manifest, train_ds, steps, args, collate, folder, saved, family,
               objective, probe_collate=make_collate_padded(data_manifest["pad_token_id"]) if objective else collate)
@@ -155,7 +158,8 @@ def setup(r: Recipe) -> Run:
     run.say(f"{gpu.name}, world size {world}, {choice.describe()}; " + "; ".join(choice.reasons))
     if run.on_gpu:  # a wheel without this GPU's sm fails at its first kernel
         run.say(f"torch {torch.__version__} (CUDA {torch.version.cuda}) kernels for {torch.cuda.get_arch_list()}")
-    run.say(f"{bp.describe()}; {steps} optimizer steps ({len(train_ds)} {'pairs' if objective else 'sequences'}, "
+    samples = "pairs" if r.pairs else "prompts" if r.grpo else "sequences"
+    run.say(f"{bp.describe()}; {steps} optimizer steps ({len(train_ds)} {samples}, "
             f"{bp.sequences_per_step} per step)")
     if objective:
         run.say(objective.describe())
@@ -196,7 +200,7 @@ def load_model(r: Recipe, run: Run):
                                                  **load_kw)
     model.config.use_cache = False  # packed position_ids -> block-causal mask only without a KV cache
     if run.objective:
-        run.objective.attach(model)  # its forward answers pair batches with DPO's fused loss (preference/loss.py)
+        run.objective.attach(model)  # its forward answers DPO's pairs or GRPO's rollouts with a fused loss
     if (run.choice.liger or run.objective) and run.args.deepspeed:  # both read lm_head.weight in the forward
         gather_lm_head_with_model(model)
     n_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())  # ZeRO-3 shards

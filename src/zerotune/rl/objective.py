@@ -1,0 +1,178 @@
+"""What the training worker does differently for GRPO, as one object with DPO's shape (preference/objective.py):
+`for_recipe(r)` returns an `Objective`, or None when the recipe does not train by GRPO.
+
+    collate          a micro-batch of m prepared rows -> their prompts and reference answers (rollout.split_row)
+    attach(model)    the model's forward answers rollout batches with GRPO's fused loss (loss.attach)
+    trainer_class    GrpoTrainer: per micro-batch, rollouts (G completions per prompt, rollout.py), their rewards
+                     and advantages (rewards.py), then the loss on them; the Trainer divides by grad-accum and
+                     DeepSpeed averages over ranks: the step's mean over its completions
+    callbacks(...)   none (no reference pass: rl.beta is 0)
+    validate         None: validation is SFT's loss on the eval split's reference answers
+
+Nothing else of the Trainer changes: DeepSpeed, the schedule, checkpoints, signals and resume are the Trainer's and
+zerotune's callbacks', as for SFT. A resumed run samples what it would have (rollout.py: the RNG is seeded per step,
+micro-step and rank).
+"""
+
+from __future__ import annotations
+
+import time
+
+from transformers import Trainer
+
+from ..chat_template import stop_ids
+from ..config import Recipe
+from ..data.cache import load_tokenizer
+from ..families import answer_text, of_config
+from ..hub import local_folder
+from ..layout import layout
+from ..metrics import dist_if_initialized
+from . import loss as lossmod
+from . import rollout
+from .rewards import Rewards, group_advantages
+
+# the sums a rank keeps between two logged steps (record, log_values)
+SUMS = ("completions", "reward", "reward_sq", "groups", "zero_std_groups", "skipped_groups", "completion_tokens",
+        "truncated", "clipped_tokens", "rollout_s")
+
+
+def for_recipe(r: Recipe, pad_id: int) -> Objective | None:
+    return Objective(r, pad_id) if r.grpo else None
+
+
+class Objective:
+    validate = None  # validation: SFT's loss on the eval split's reference answers (train/validation.py)
+
+    def __init__(self, r: Recipe, pad_id: int):
+        self.r = r
+        self.rl = r.rl
+        self.pad_id = pad_id
+        self.rewards = Rewards(r.rl)  # a dotted path is imported here: a typo stops the run before the model loads
+        self.tok = load_tokenizer(r)
+        self.stop = stop_ids(self.tok, local_folder(str(layout(r).base)))
+        self._sums = None
+
+    def describe(self) -> str:
+        rl = self.rl
+        return (f"GRPO: {rl.group_size} completions per prompt (temperature {rl.temperature:g}"
+                + (f", top-p {rl.top_p:g}" if rl.top_p < 1 else "") + f", at most {rl.max_new_tokens} tokens), "
+                f"rewarded by {rl.reward}, advantages "
+                + ("normalised by the group's std" if rl.scale_rewards else "minus the group's mean (Dr. GRPO)")
+                + f"; loss {rl.loss}, clip {rl.epsilon:g}, no KL (beta 0); rolled out on the training ranks, the "
+                  f"loss fused over {rl.chunk_tokens}-token chunks of the completions")
+
+    # -- data -----------------------------------------------------------------------------------------------
+    def collate(self, rows: list[dict]) -> dict:
+        prompts, references = zip(*(rollout.split_row(row["input_ids"], row["labels"]) for row in rows))
+        return {"prompts": [list(p) for p in prompts],
+                "references": [self.tok.decode(ref, skip_special_tokens=True).strip() for ref in references]}
+
+    # -- the model and the Trainer --------------------------------------------------------------------------
+    def attach(self, model) -> None:
+        rl = self.rl
+
+        def loss_fn_of(rows, n_rows, advantages):
+            return lossmod.grpo_loss_fn(rows, n_rows, advantages, loss_type=rl.loss, epsilon=rl.epsilon,
+                                        max_new_tokens=rl.max_new_tokens)
+
+        lossmod.attach(model, loss_fn_of, rl.chunk_tokens, rl.temperature)
+
+    @property
+    def trainer_class(self):
+        return GrpoTrainer
+
+    def callbacks(self, run, stop=None) -> list:
+        return []
+
+    def rollouts(self, model, engine, batch: dict, step: int, micro: int, rank: int, device, sharded: bool) -> dict:
+        """The micro-batch's rollouts as training rows, with each row's advantage, and what the log reports."""
+        import torch
+
+        rl = self.rl
+        prompts, references = batch["prompts"], batch["references"]
+        budget = min(rl.max_new_tokens, self.r.data.seq_len - max(len(p) for p in prompts))
+        t0 = time.perf_counter()
+        with rollout.gathered(engine, device, sharded) as whole:
+            completions, truncated = rollout.sample(
+                model, prompts, rl.group_size, budget, rl.temperature, rl.top_p, self.stop,
+                rollout.seed_of(self.r.train.seed, step, micro, rank), device, synced_gpus=sharded and not whole)
+        seconds = time.perf_counter() - t0
+        family = of_config(model.config)
+        texts = [answer_text(family, self.tok.decode(c, skip_special_tokens=True).strip()) for c in completions]
+        rows = [{"prompt": self.tok.decode(prompts[i // rl.group_size], skip_special_tokens=True),
+                 "answer": references[i // rl.group_size]} for i in range(len(texts))]
+        values = self.rewards.of(texts, rows)
+        rewards = torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
+        advantages, zero_std = group_advantages(rewards, rl.group_size, rl.scale_rewards)
+        batch_rows = rollout.rows_of(prompts, completions, rl.group_size, self.pad_id)
+        kept = rewards[~torch.isnan(rewards)]
+        groups = len(prompts)
+        skipped = int(torch.isnan(rewards.view(groups, -1)).any(-1).sum())
+        self._add(completions=len(kept), reward=float(kept.sum()), reward_sq=float((kept ** 2).sum()), groups=groups,
+                  zero_std_groups=zero_std, skipped_groups=skipped,
+                  completion_tokens=sum(len(c) for c in completions), truncated=sum(truncated), rollout_s=seconds)
+        return {**{k: v.to(device) for k, v in batch_rows.items()}, "grpo_advantages": advantages.to(device)}
+
+    # -- metrics --------------------------------------------------------------------------------------------
+    def _add(self, **values) -> None:
+        import torch
+
+        s = torch.tensor([float(values.get(k, 0.0)) for k in SUMS], dtype=torch.float64)
+        self._sums = s if self._sums is None else self._sums + s
+
+    def record(self, out) -> None:
+        self._add(clipped_tokens=float(out["clip_fraction"]) * len(out["rows"]))
+
+    def log_values(self, device) -> dict:
+        """The rollouts' statistics since the last log, over all ranks (every rank logs the same step: a collective)."""
+        import torch
+
+        s = self._sums if self._sums is not None else torch.zeros(len(SUMS), dtype=torch.float64)
+        self._sums = None
+        s = s.to(device)
+        d = dist_if_initialized()
+        if d:
+            d.all_reduce(s)
+        v = dict(zip(SUMS, s.tolist()))
+        if not v["groups"]:
+            return {}
+        n, world = max(1.0, v["completions"]), d.get_world_size() if d else 1
+        mean = v["reward"] / n
+        rows = max(1.0, v["groups"] * self.rl.group_size)
+        out = {"rl/reward": mean, "rl/reward_std": max(0.0, v["reward_sq"] / n - mean ** 2) ** 0.5,
+               "rl/zero_std_groups": v["zero_std_groups"] / v["groups"],
+               "rl/completion_tokens": v["completion_tokens"] / rows, "rl/truncated": v["truncated"] / rows,
+               "rl/clip_fraction": v["clipped_tokens"] / max(1.0, v["completion_tokens"]),
+               "rl/rollout_s": v["rollout_s"] / world}  # each rank's rollout seconds in the step, averaged
+        if self.rl.on_reward_error == "skip":
+            out["rl/skipped_groups"] = v["skipped_groups"]
+        return out
+
+
+class GrpoTrainer(Trainer):
+    """HF Trainer whose micro-batch is rolled out, rewarded and then trained on (objective.py docstring)."""
+
+    def __init__(self, *args, objective: Objective, **kw):
+        super().__init__(*args, **kw)
+        self.objective = objective
+        # the loss is a mean over each micro-batch's completions: the Trainer divides it by grad-accum
+        self.model_accepts_loss_kwargs = False
+        self.loss_is_scaled_for_ga = False
+        self._at = (-1, 0)  # (optimizer step, micro-steps taken in it): the rollouts' seed
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        step = self.state.global_step
+        micro = self._at[1] if self._at[0] == step else 0
+        self._at = (step, micro + 1)
+        rows = self.objective.rollouts(self.model, self.model_wrapped, inputs, step, micro, self.args.process_index,
+                                       self.args.device, bool(dist_if_initialized()) and is_deepspeed_zero3_enabled())
+        out = model(**rows)
+        self.objective.record(out)
+        return (out["loss"], out) if return_outputs else out["loss"]
+
+    def log(self, logs: dict, *args, **kw) -> None:
+        if "loss" in logs:  # a training step's log (all ranks call it together)
+            logs = {**logs, **self.objective.log_values(self.args.device)}
+        super().log(logs, *args, **kw)

@@ -1,0 +1,284 @@
+"""GRPO (rl.method: grpo): the fused loss against Liger's and against the formula on full logits, the rewards (scorers,
+a user's function, its time limit and errors), group advantages, the recipe's rules, and the run itself on the tiny
+model under ZeRO-3 (tiny_grpo)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO
+
+
+def _tiny_model(vocab: int = 512):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.from_pretrained(REPO / "configs" / "models" / "tiny_llama31.json")
+    cfg.vocab_size = vocab
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def _rollout_batch():
+    """2 prompts x G 2 = 4 rows as rollout.py builds them: prompt, completion (labels), right pads."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (4, 12), generator=g)
+    labels = torch.full_like(ids, -100)
+    for row, (p, c) in enumerate(((5, 7), (5, 4), (3, 6), (3, 9))):  # prompt length, completion length
+        labels[row, p:p + c] = ids[row, p:p + c]
+    return ids, labels, torch.tensor([1.2, -1.2, 0.7, -0.7])
+
+
+def _grid(labels):
+    """(rows, T) of each completion-predicting position (HF's shift) and its mask."""
+    import torch
+
+    nxt = labels[:, 1:]
+    T = int((nxt != -100).sum(-1).max())
+    pos = torch.zeros(labels.shape[0], T, dtype=torch.long)
+    mask = torch.zeros(labels.shape[0], T)
+    for r in range(labels.shape[0]):
+        p = (nxt[r] != -100).nonzero()[:, 0]
+        pos[r, :len(p)], mask[r, :len(p)] = p, 1
+    return pos, mask
+
+
+@pytest.mark.parametrize("loss_type,temperature,off_policy", [("grpo", 1.0, False), ("dr_grpo", 1.0, False),
+                                                              ("grpo", 0.7, True), ("grpo", 0.7, False), ("grpo", 1.0, True)])
+def test_fused_grpo_loss_equals_ligers_fused_loss_and_the_formula(loss_type, temperature, off_policy):
+    """zerotune's fused GRPO loss (3 label tokens' logits at a time, gradients in forward) against (1) the formula
+    written out on the full logits (log_softmax / temperature, the clipped ratio, each normalisation) and (2) Liger's
+    LigerFusedLinearGRPOLoss on the same hidden states: the loss and every parameter's gradient. off_policy: the
+    rollout policy's log-probs differ from the policy's by up to +-0.5, so some ratios clip."""
+    import torch
+
+    from zerotune.rl.loss import attach, grpo_loss_fn
+
+    model, eps, max_new = _tiny_model(), 0.2, 10
+    ids, labels, adv = _rollout_batch()
+    pos, mask = _grid(labels)
+    old = None
+    if off_policy:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / temperature, -1)
+            lp = lp.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+        noise = (torch.rand(lp.shape, generator=torch.Generator().manual_seed(2)) - 0.5)
+        old_grid = lp.gather(1, pos) + noise.gather(1, pos)
+        old = old_grid[mask.bool()]  # flat, row by row: label_positions' order
+
+    def loss_fn_of(rows, n_rows, a):
+        return grpo_loss_fn(rows, n_rows, a, loss_type=loss_type, epsilon=eps, max_new_tokens=max_new, old_logps=old)
+
+    attach(model, loss_fn_of, chunk=3, temperature=temperature)
+    out = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).repeat(4, 1), labels=labels,
+                grpo_advantages=adv)
+    out["loss"].backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    # (1) the formula on full logits
+    lp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / temperature, -1)
+    P = lp.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0].gather(1, pos)
+    ratio = torch.exp(P - (P.detach() if old is None else old_grid))
+    per_token = -torch.min(ratio * adv[:, None], ratio.clamp(1 - eps, 1 + eps) * adv[:, None])
+    want = (((per_token * mask).sum(-1) / mask.sum(-1)).mean() if loss_type == "grpo" else
+            (per_token * mask).sum() / (4 * max_new))
+    want.backward()
+    assert out["loss"].item() == pytest.approx(want.item(), rel=1e-5)
+    assert torch.allclose(out["logps"], P[mask.bool()].detach(), atol=1e-5)
+    clipped = ((ratio < 1 - eps) & (adv[:, None] < 0)) | ((ratio > 1 + eps) & (adv[:, None] > 0))
+    assert out["clip_fraction"].item() == pytest.approx(float((clipped * mask).sum() / mask.sum()))
+    assert (out["clip_fraction"].item() > 0) == off_policy
+    for name, p in model.named_parameters():
+        assert torch.allclose(fused[name], p.grad, rtol=1e-4, atol=1e-6 * float(p.grad.abs().max())), name
+    model.zero_grad()
+
+    # (2) Liger's whole fused loss on the completions' hidden states
+    from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss
+
+    hidden = model.model(input_ids=ids).last_hidden_state
+    h = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
+    liger = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, chunk_size=4,
+                                     epsilon_low=eps, epsilon_high=eps, loss_type=loss_type,
+                                     max_completion_length=max_new, temperature=temperature)
+    targets = labels[:, 1:].clamp(min=0).gather(1, pos)
+    loss, _ = liger(h, model.lm_head.weight, targets, mask, adv, old_per_token_logps=None if old is None else old_grid)
+    loss.backward()
+    assert out["loss"].item() == pytest.approx(loss.item(), rel=1e-4)  # Liger: an online logsumexp over vocab chunks
+    for name, p in model.named_parameters():
+        assert torch.allclose(fused[name], p.grad, rtol=1e-4, atol=1e-7), name
+
+
+# ---- rewards and advantages ----------------------------------------------------------------------------------------
+
+def _rewards(reward: str, **rl):
+    from zerotune.config import RlCfg
+    from zerotune.rl.rewards import Rewards
+
+    return Rewards(RlCfg(method="grpo", reward=reward, **rl))
+
+
+ROW = {"prompt": "<|system|>Extract the record.<|user|>Ada is 36 and lives in Leiden.<|assistant|>",
+       "answer": '{"name": "Ada", "age": 36, "city": "Leiden"}'}
+
+
+def test_a_scorer_or_a_users_function_by_dotted_path_is_the_reward():
+    assert _rewards("json_fields").of(['{"name": "Ada", "age": 36, "city": "Leiden"}', "{}"], [ROW, ROW]) == [1.0, 0.0]
+    partial = _rewards("json_field_share").of(['{"name": "Ada", "age": 36, "city": "Lisbon"}'], [ROW])
+    assert partial == [pytest.approx(2 / 3)]
+    assert _rewards("tests.grpo_rewards.length").of(["abcd"], [ROW]) == [4.0]
+    assert _rewards("recipes.rewards.letters").of(["ab 1"], [ROW]) == [0.75]
+
+
+@pytest.mark.parametrize("fn,says", [("raises", "raised KeyError: 'score'"),
+                                     ("sleeps", "ran past rl.reward_timeout_s=0.2 s"),
+                                     ("text", "returned 'high', not a finite number")])
+def test_a_reward_that_fails_is_one_line_naming_the_function_and_the_prompt_or_a_counted_skip(fn, says):
+    from zerotune.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        _rewards(f"tests.grpo_rewards.{fn}", reward_timeout_s=0.2).of(["x"], [ROW])
+    msg = str(e.value)
+    assert f"rl.reward tests.grpo_rewards.{fn} {says}" in msg and "\n" not in msg
+    assert "lives in Leiden.<|assistant|>" in msg and "rl.on_reward_error: skip" in msg
+    assert _rewards(f"tests.grpo_rewards.{fn}", reward_timeout_s=0.2, on_reward_error="skip").of(["x"], [ROW]) == [None]
+
+
+def test_a_reward_path_that_does_not_import_stops_before_the_model_loads():
+    from zerotune.errors import UserError
+
+    with pytest.raises(UserError, match=r"cannot import module 'no_such_module'"):
+        _rewards("no_such_module.score")
+    with pytest.raises(UserError, match=r"has no function 'nothing'"):
+        _rewards("tests.grpo_rewards.nothing")
+
+
+def test_group_advantages_are_grpos_or_dr_grpos_and_a_skipped_group_teaches_nothing():
+    import torch
+
+    from zerotune.rl.rewards import group_advantages
+
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0,  0.5, 0.5, 0.5, 0.5,  1.0, float("nan"), 0.0, 0.0])
+    adv, zero_std = group_advantages(r, 4, scale=True)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()  # unbiased, as TRL's
+    assert torch.allclose(adv[:4], (torch.tensor([1.0, 0.0, 0.0, 1.0]) - 0.5) / (std + 1e-4))
+    assert adv[4:].abs().sum() == 0 and zero_std == 1  # the all-0.5 group; the skipped one is not counted as such
+    adv, _ = group_advantages(r, 4, scale=False)
+    assert torch.equal(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))  # Dr. GRPO: no division by the spread
+
+
+# ---- the recipe and the batch --------------------------------------------------------------------------------------
+
+def test_the_recipe_refuses_what_grpo_cannot_do(tokenizer_dir):
+    from zerotune.config import RecipeError, from_dict
+
+    chats = [{"path": "data/tiny/train.jsonl", "format": "messages"}]
+    cases = [({"packing": True}, {}, "prompts are not packed"),
+             ({}, {"beta": 0.04}, "set rl.beta: 0"),
+             ({}, {"reward": "bad path!"}, "neither a scorer"),
+             ({"seq_len": 64}, {"max_new_tokens": 64}, "leaves no room for a prompt"),
+             ({}, {"group_size": 1}, "rl.group_size=1: must be >= 2"),
+             ({}, {"loss": "dapo"}, "rl.loss")]
+    for data, rl, says in cases:
+        raw = {"name": "t", "model": {"init_config": "configs/models/tiny_llama31.json", "tokenizer": str(tokenizer_dir)},
+               "data": {"sources": chats, "packing": False, "seq_len": 128, **data}, "rl": {"method": "grpo", **rl}}
+        with pytest.raises(RecipeError) as e:
+            from_dict(raw)
+        assert says in str(e.value), (says, str(e.value))
+
+
+def test_a_prompt_counts_its_group_of_rows_in_the_global_batch():
+    from zerotune.batch import BatchError, derive
+
+    bp = derive(1024, 64, 2, 2, rows=4, grpo=True)
+    assert bp.grad_accum == 1 and bp.sequences_per_step == 4 and bp.tokens_per_micro_step == 1024
+    assert "4 completions x seq_len 64 x micro-batch 2 prompts" in bp.describe()
+    with pytest.raises(BatchError, match=r"rl.group_size x seq_len x micro-batch \(prompts\) x world = 4 x 64 x 2 x 3"):
+        derive(1024, 64, 2, 3, rows=4, grpo=True)
+
+
+# ---- rollouts ------------------------------------------------------------------------------------------------------
+
+def test_a_rows_prompt_is_everything_before_its_last_assistant_turn():
+    from zerotune.rl.rollout import rows_of, split_row
+
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    labels = [-100, -100, 3, 4, -100, -100, 7, 8, 9]  # two assistant turns: the last is the reference
+    assert split_row(ids, labels) == ([1, 2, 3, 4, 5, 6], [7, 8, 9])
+    rows = rows_of([[1, 2], [3]], [[10, 11], [12], [13, 14, 15], [16]], group_size=2, pad_id=0)
+    assert rows["input_ids"].tolist() == [[1, 2, 10, 11], [1, 2, 12, 0], [3, 13, 14, 15], [3, 16, 0, 0]]
+    assert rows["labels"].tolist() == [[-100, -100, 10, 11], [-100, -100, 12, -100], [-100, 13, 14, 15],
+                                       [-100, 16, -100, -100]]
+
+
+def test_rollouts_are_seeded_per_step_and_rank_and_leave_the_trainers_rng_alone():
+    """The same seed samples the same completions (a resumed run's are the uninterrupted run's), another seed others;
+    the global RNG the Trainer draws from is where it was; the model goes back to training mode; every completion
+    ends at its first stop token or runs the whole budget."""
+    import torch
+
+    from zerotune.rl.rollout import sample, seed_of
+
+    model = _tiny_model()
+    model.train()
+    prompts, stop = [[5, 6, 7], [8, 9]], [2, 3]
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    a = sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 1), "cpu")
+    assert torch.equal(torch.get_rng_state(), before) and model.training
+    b = sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 1), "cpu")
+    c = sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 0), "cpu")
+    assert a == b and a[0] != c[0]
+    completions, truncated = a
+    assert len(completions) == 8 and len(set(map(tuple, completions))) > 1  # sampled, not greedy
+    for c_, cut in zip(completions, truncated):
+        assert (c_[-1] in stop) != cut and not any(t in stop for t in c_[:-1]) and len(c_) <= 6
+
+
+# ---- the run -------------------------------------------------------------------------------------------------------
+
+GRPO_COMMON = ["train.max_steps=4", "train.logging_steps=1"]
+
+
+@pytest.mark.integration
+def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
+    """tiny_grpo on 2 ZeRO-3 CPU ranks: an uninterrupted 4-step run whose rollouts gather the model per layer per
+    token (the fault that finds no room for the whole model, as at 8B on a full node) against a run stopped after
+    step 1 by a deadline already passed (checkpoint-1 committed) and resumed, whose rollouts gather it once: every
+    step's rollouts, rewards, loss and gradient norm equal. The log says what GRPO reports per step."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    from conftest import _zt, read_metrics
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _zt("data", "tiny_grpo", f"output_dir={ref}")
+    log = _zt("finetune", "tiny_grpo", f"output_dir={ref}", *GRPO_COMMON,
+              env={"ZEROTUNE_FAULT_NO_ROOM_TO_GATHER": "1"})
+    assert "(4 prompts, 16 completions per optimizer step)" in log and "GRPO: 4 completions per prompt" in log
+    assert "reward 0." in log and "groups without spread" in log and "Traceback" not in log
+    for part in ("data", "base"):
+        shutil.copytree(ref / part, run / part)
+
+    def finetune(**env):
+        proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny_grpo", f"output_dir={run}",
+                               *GRPO_COMMON], cwd=REPO, capture_output=True, text=True, timeout=1200,
+                              env={**__import__("os").environ, **env})
+        return proc.returncode, proc.stdout + proc.stderr
+
+    rc, out = finetune(ZEROTUNE_DEADLINE=str(int(time.time())))
+    assert rc == 75 and "checkpointing at step 1 and stopping" in out, out[-3000:]
+    rc, out = finetune()
+    assert rc == 0 and "Traceback" not in out, out[-3000:]
+    a, b = read_metrics(ref), read_metrics(run)
+    assert [x["step"] for x in b] == [1, 2, 3, 4], "every step exactly once"
+    for x, y in zip(a, b):
+        for key in ("rl/reward", "rl/reward_std", "rl/completion_tokens", "rl/zero_std_groups"):
+            assert y[key] == pytest.approx(x[key], abs=1e-9), (key, x, y)
+        assert y["loss"] == pytest.approx(x["loss"], abs=1e-7), (x, y)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
+    assert len({x["rl/reward"] for x in a}) > 1 and all(x["grad_norm"] > 0 for x in a), "rollouts that teach"
