@@ -282,3 +282,26 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
         assert y["loss"] == pytest.approx(x["loss"], abs=1e-7), (x, y)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
     assert len({x["rl/reward"] for x in a}) > 1 and all(x["grad_norm"] > 0 for x in a), "rollouts that teach"
+
+
+@pytest.mark.integration
+@pytest.mark.extended  # 1.7 min; CI: the message and the skip (this file), a worker's user error under torchrun (test_user_errors.py)
+def test_a_reward_that_raises_in_the_workers_stops_the_run_in_one_line_with_exit_2(tmp_path):
+    """Under torchrun: the user's reward raises at the first rollout; `zerotune finetune` prints one line naming the
+    function and the prompt and exits 2, no traceback, no torchrun failure report; the prepared data stays."""
+    import subprocess
+    import sys
+
+    from conftest import _zt
+
+    _zt("data", "tiny_grpo", f"output_dir={tmp_path}")
+    proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny_grpo", f"output_dir={tmp_path}",
+                           "rl.reward=tests.grpo_rewards.raises", "train.max_steps=2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "rl.reward tests.grpo_rewards.raises raised KeyError" in line]
+    assert len(said) == 1 and said[0].startswith("zerotune: ") and "[rank" not in proc.stderr, proc.stderr[-3000:]
+    asked = said[0].split('ending "', 1)[1].split('";', 1)[0]
+    assert "Repeat after me:" in asked and not asked.endswith("assistant")  # the question, no generation header
+    assert "rl.on_reward_error: skip" in said[0] and "Traceback" not in proc.stderr + proc.stdout
+    assert "ChildFailedError" not in proc.stderr and (tmp_path / "data").exists()

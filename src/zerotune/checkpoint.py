@@ -141,10 +141,11 @@ def rotate(ckpt_root: Path, keep: int | None) -> list[str]:
     return sorted(p.name for p in doomed)
 
 
-def describe_failure(exc: BaseException, ckpt_root: Path, saving_step: int | None) -> str:
-    """What a failed run left behind, so the user knows nothing committed was lost."""
+def describe_failure(exc: BaseException, ckpt_root: Path, saving_step: int | None, say_error: bool = True) -> str:
+    """What a failed run left behind, so the user knows nothing committed was lost. say_error False: the error
+    itself is said elsewhere (a user error's one line)."""
     good = last_committed(ckpt_root, quiet=True)
-    msg = f"finetune: stopped by {type(exc).__name__}: {exc}\n"
+    msg = f"finetune: stopped by {type(exc).__name__}: {exc}\n" if say_error else ""
     if saving_step is not None:
         where = Path(ckpt_root) if Path(ckpt_root).exists() else Path(ckpt_root).parent
         msg += (f"finetune: writing checkpoint-{saving_step} failed ({shutil.disk_usage(where).free / 2**30:.1f} GiB "

@@ -50,6 +50,7 @@ class Objective:
         self.rewards = Rewards(r.rl)  # a dotted path is imported here: a typo stops the run before the model loads
         self.tok = load_tokenizer(r)
         self.stop = stop_ids(self.tok, local_folder(str(layout(r).base)))
+        self.header = _generation_header(self.tok)
         self._sums = None
 
     def describe(self) -> str:
@@ -99,8 +100,9 @@ class Objective:
         seconds = time.perf_counter() - t0
         family = of_config(model.config)
         texts = [answer_text(family, self.tok.decode(c, skip_special_tokens=True).strip()) for c in completions]
-        rows = [{"prompt": self.tok.decode(prompts[i // rl.group_size], skip_special_tokens=True),
-                 "answer": references[i // rl.group_size]} for i in range(len(texts))]
+        asked = [self.prompt_text(p) for p in prompts]
+        rows = [{"prompt": asked[i // rl.group_size], "answer": references[i // rl.group_size]}
+                for i in range(len(texts))]
         values = self.rewards.of(texts, rows)
         rewards = torch.tensor([float("nan") if v is None else v for v in values], dtype=torch.float32)
         advantages, zero_std = group_advantages(rewards, rl.group_size, rl.scale_rewards)
@@ -112,6 +114,13 @@ class Objective:
                   zero_std_groups=zero_std, skipped_groups=skipped,
                   completion_tokens=sum(len(c) for c in completions), truncated=sum(truncated), rollout_s=seconds)
         return {**{k: v.to(device) for k, v in batch_rows.items()}, "grpo_advantages": advantages.to(device)}
+
+    def prompt_text(self, prompt: list[int]) -> str:
+        """The conversation a prompt holds, as text for the reward (special tokens and the generation header off)."""
+        n = len(self.header)
+        if n and prompt[-n:] == self.header:
+            prompt = prompt[:-n]
+        return self.tok.decode(prompt, skip_special_tokens=True).strip()
 
     # -- metrics --------------------------------------------------------------------------------------------
     def _add(self, **values) -> None:
@@ -176,3 +185,12 @@ class GrpoTrainer(Trainer):
         if "loss" in logs:  # a training step's log (all ranks call it together)
             logs = {**logs, **self.objective.log_values(self.args.device)}
         super().log(logs, *args, **kw)
+
+
+def _generation_header(tok) -> list[int]:
+    """The tokens the chat template adds for add_generation_prompt (Llama 3's assistant header, ChatML's
+    <|im_start|>assistant): what a prompt ends with and its text for the reward should not."""
+    msgs = [{"role": "user", "content": "x"}]
+    with_header, without = (list(tok.apply_chat_template(msgs, add_generation_prompt=g, tokenize=True,
+                                                         return_dict=True)["input_ids"]) for g in (True, False))
+    return with_header[len(without):] if with_header[:len(without)] == without else []

@@ -2,8 +2,8 @@
 
 The reward (rl.reward) is an eval scorer (scorers.py: the task's own measure, e.g. json_fields, or json_field_share
 for partial credit per field) or the user's function by dotted path, f(completion: str, row: dict) -> a number, row
-= {"prompt": the prompt's text (chat template included), "answer": the reference (the training row's last assistant
-turn)}. A user function runs under a time limit (rl.reward_timeout_s, SIGALRM: the worker's
+= {"prompt": the conversation before the answer as text (the chat template's special tokens and generation header
+off), "answer": the reference (the training row's last assistant turn)}. A user function runs under a time limit (rl.reward_timeout_s, SIGALRM: the worker's
 main thread). A call that raises, runs past the limit or returns a non-number (None, a string, NaN) is the user's
 error: one line naming the function and the prompt, exit 2 (rl.on_reward_error: stop); or, on_reward_error: skip,
 the prompt's whole group gets advantage 0 (no gradient from it) and the skip is counted in the step's log. Never

@@ -21,6 +21,7 @@ from ..config import Recipe, resolve_path
 from ..data.cache import load_tokenizer, require_prepared
 from ..hardware import require_kernels
 from ..hub import require_weights
+from ..rl import rewards
 from ..layout import layout, write_resolved_recipe
 from ..planner.compute import compute_plan
 from ..planner.gate import disk_preflight, preflight
@@ -71,6 +72,8 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
     require_prepared(r)  # fail here, in seconds, not after the launch
     for es in r.eval_sets():  # the end of training answers the first set's prompts (validation._sample_prompts), and
         load_rows(es)        # check scores them all: a missing file or a bad row fails now, not after the last step
+    if r.grpo:
+        rewards.load(r.rl)  # a reward's dotted path that does not import fails here, not in every worker
     if world is not None:  # a resume that cannot keep the global batch: its own message, before the plan's
         ckpt = last_committed(layout(r).checkpoints, quiet=True)
         saved = reshard.saved_world_if_other(ckpt, world)

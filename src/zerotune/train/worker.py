@@ -22,6 +22,7 @@ from .. import batch as batchmod
 from ..checkpoint import CommitMarker, describe_failure, discard_after, last_committed, step_of
 from ..config import Recipe
 from ..data.cache import load_tokenizer, require_prepared
+from ..errors import UserError
 from ..layout import RunLayout, layout
 from ..metrics import StepMetrics, flops_per_token
 from ..preference import objective as preference
@@ -301,6 +302,11 @@ def train_or_stop(r: Recipe, run: Run, trainer, stop, commit, resume) -> float:
                        committed=False).write(run.paths.stopped)
         run.barrier()
         sys.exit(REQUEUE_EXIT)
+    except UserError as e:  # e.g. a GRPO reward that raised: its one line is the handoff's (train/handoff.py)
+        if run.rank == 0:
+            print(describe_failure(e, run.paths.checkpoints, commit.saving, say_error=False), file=sys.stderr,
+                  flush=True)
+        raise
     except Exception as e:
         # every rank says it: the rank that failed first may be the only one left to print anything
         print(f"[rank {run.rank}] " + describe_failure(e, run.paths.checkpoints, commit.saving), file=sys.stderr,
