@@ -181,9 +181,12 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tokenizer_dir):
              ({"seq_len": 64}, {"max_new_tokens": 64}, "leaves no room for a prompt"),
              ({}, {"group_size": 1}, "rl.group_size=1: must be >= 2"),
              ({}, {"loss": "dapo"}, "rl.loss")]
+    cases.append(({}, {}, "peft.method=lora is not supported yet"))
     for data, rl, says in cases:
         raw = {"name": "t", "model": {"init_config": "configs/models/tiny_llama31.json", "tokenizer": str(tokenizer_dir)},
                "data": {"sources": chats, "packing": False, "seq_len": 128, **data}, "rl": {"method": "grpo", **rl}}
+        if "peft" in says:
+            raw["peft"] = {"method": "lora"}
         with pytest.raises(RecipeError) as e:
             from_dict(raw)
         assert says in str(e.value), (says, str(e.value))
@@ -305,3 +308,36 @@ def test_a_reward_that_raises_in_the_workers_stops_the_run_in_one_line_with_exit
     assert "Repeat after me:" in asked and not asked.endswith("assistant")  # the question, no generation header
     assert "rl.on_reward_error: skip" in said[0] and "Traceback" not in proc.stderr + proc.stdout
     assert "ChildFailedError" not in proc.stderr and (tmp_path / "data").exists()
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------------
+
+def test_the_8b_grpo_recipe_fits_every_phase_of_a_v100_node_and_states_its_rollout_time():
+    """llama8b_grpo_zero3 on one node of 8 x V100-32GB: every phase fits; the training step takes the fused loss
+    (no 8 x 1,024 x 128,256 logits); the rollout phase holds a micro-step's 8 rows of KV cache beside the states and
+    cannot also hold the whole 16 GB model, so it gathers per token (the host's 32 layers x 4.5 ms per decode step);
+    its time per optimizer step is grad-accum x one generate(), printed beside the training step's. On 4 nodes the
+    states shrink to a quarter and the whole model is gathered once per generate(): the rollouts get faster."""
+    from zerotune.config import load_recipe
+    from zerotune.planner.compute import compute_plan
+    from zerotune.planner.memory import GiB
+    from zerotune.planner.report import format_plan
+    from zerotune.planner.time import FIGURES
+
+    r = load_recipe("llama8b_grpo_zero3")
+    p = compute_plan(r)
+    assert p.recipe_batch.fits and p.recipe_batch.grad_accum == 8
+    assert [name for name, _ in p.phases.items()][:2] == ["train_step", "rollout"]
+    assert all(ph.fits for _, ph in p.phases.items() if ph.runs), {k: v.peak_bytes / GiB for k, v in p.phases.items()}
+    assert p.memory.parts["logits + loss"] < 4 * GiB and "no sequence x vocabulary logits" in p.memory.logits_how
+    ro = p.phases.rollout
+    assert not ro.gather_once and ro.time.rows == 8 and ro.time.new_tokens == 512
+    assert ro.time.per_token_s == pytest.approx(32 * FIGURES["zero3_host_s_per_layer_pass"].value, rel=0.01)
+    assert ro.time.seconds == pytest.approx(8 * ro.time.per_micro_step_s)
+    assert ro.time.seconds > p.time.seconds_per_step  # full fine-tuning at 8B: the rollouts are most of a step
+    text = format_plan(p)
+    assert "rollout: 8 completions x 512 sampled tokens per micro-step" in text and "beside the training step's" in text
+
+    four = compute_plan(r, nodes=4)
+    assert four.phases.rollout.gather_once and four.phases.rollout.fits
+    assert four.phases.rollout.time.per_micro_step_s < ro.time.per_micro_step_s / 3

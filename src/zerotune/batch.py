@@ -29,8 +29,8 @@ class BatchPlan:
     world_size: int
     grad_accum: int
     rows: int = 1  # rows per sample: 2 for a preference pair (chosen + rejected), G for a GRPO prompt; micro_batch_size counts samples
-    grpo: bool = False  # a sample is a prompt and its rows its G completions
     sequence_parallel: int = 1  # ranks sharing one row (DeepSpeed Ulysses)
+    grpo: bool = False  # a sample is a prompt and its rows its G completions
 
     @property
     def data_parallel(self) -> int:

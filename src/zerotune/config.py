@@ -486,6 +486,9 @@ def _validate_rl(r: Recipe, where: str) -> None:
         raise RecipeError(f"{where}: rl.beta={rl.beta}: the KL to the starting model needs its log-probs for every new "
                           f"rollout (a reference pass per step), which zerotune's GRPO does not compute yet; set "
                           f"rl.beta: 0 (the clipped ratio alone keeps each step near the rollout policy).")
+    if r.peft.method != "none":
+        raise RecipeError(f"{where}: rl.method=grpo with peft.method={r.peft.method} is not supported yet (tested: "
+                          f"full fine-tuning); set peft.method: none.")
     if r.train.sequence_parallel > 1:
         raise RecipeError(f"{where}: train.sequence_parallel={r.train.sequence_parallel} with rl.method=grpo: "
                           f"rollouts are generated whole on each rank; set train.sequence_parallel: 1.")

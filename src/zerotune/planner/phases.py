@@ -231,7 +231,8 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
                zero: dict | None, world: int, gpus_per_node: int, on_gpu: bool, seq: int, micro: int,
                grad_accum: int, trainable: int, peft: tuple[str, int] | None, gpu_capacity: int,
                host_capacity: int, validation_runs: bool, samples: int, max_new_tokens: int,
-               quant_type: str, preference_chunk: int | None = None) -> Phases:
+               quant_type: str, preference_chunk: int | None = None,
+               rollout: tuple[int, int, int] | None = None) -> Phases:
     """Every phase's peak for one training job.
     `train` is memory.memory_breakdown's result for the recipe's own seq_len and micro-batch. preference_chunk: a DPO
     job (micro counts rows, 2 per pair): validation and the reference pass forward a micro-batch's padded rows with
@@ -286,6 +287,18 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
             {**resident, **gathering, **pair_fwd}, gpu_capacity, world, on_gpu,
             f"reward accuracy on the validation pairs, {micro} x {seq:,}-token rows per forward, no grad",
             "lower train.micro_batch_size or data.seq_len", runs=validation_runs)
+
+    if rollout is not None:
+        # GRPO (rl/rollout.py sample): before each micro-step's forward, one generate() of its rows (micro prompts x
+        # G), left-padded, sampling, with a DynamicCache; the step's micro-batches are still bound (prompts only)
+        n, prompt, new = rollout
+        prefill, decode = generation_parts(m, rows=n, prompt=prompt, new_tokens=new, e=e, liger=liger, padded=True,
+                                           on_gpu=on_gpu, repeat_kv=docs)
+        gen = prefill if sum(prefill.values()) >= sum(decode.values()) else decode
+        out["rollout"] = gpu_phase(
+            {**resident, **gathering, **gen}, gpu_capacity, world, on_gpu,
+            f"GRPO rollouts: {n} completions per micro-step, prompt <= {prompt:,} + {new} sampled tokens, KV cache",
+            "lower train.micro_batch_size, rl.group_size or rl.max_new_tokens")
 
     # samples: generate() greedy with a DynamicCache, one prompt at a time (generation_parts). The prompt's length is
     # unknown before the tokenizer runs: bounded by data.seq_len (held-out prompts are shorter than the training

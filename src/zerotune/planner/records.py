@@ -111,9 +111,11 @@ class PhaseTime:
     seconds: float | None
     per_row_s: float | None = None     # validation, reference: one row's forward
     rows_per_rank: int | None = None
-    per_token_s: float | None = None   # samples: one new token
+    per_token_s: float | None = None   # samples, rollout: one new token (rollout: for all the micro-batch's rows)
     prompts: int | None = None
     new_tokens: int | None = None
+    per_micro_step_s: float | None = None  # rollout: one micro-batch's generate() (seconds: per optimizer step)
+    rows: int | None = None                # rollout: completions sampled per micro-step on one rank
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ class Phase:
     parts: dict[str, int]
     views: Views | None = None       # GPU phases
     time: PhaseTime | None = None    # where the time model has figures
-    gather_once: bool = False        # samples under ZeRO-3: the whole model gathered once per round
+    gather_once: bool = False        # samples, rollout under ZeRO-3: the whole model gathered once per generate()
 
     @property
     def fits(self) -> bool:
@@ -148,8 +150,9 @@ class Phases:
     finalize: Phase
     quantize: Phase
     reference: Phase | None = None  # DPO: the starting model's log-probs, before the first step
+    rollout: Phase | None = None    # GRPO: each micro-step's sampled completions, before its forward
 
-    ORDER = ("train_step", "reference", "validation", "samples", "save", "save_host", "resume", "resume_host",
+    ORDER = ("train_step", "rollout", "reference", "validation", "samples", "save", "save_host", "resume", "resume_host",
              "finalize", "quantize")
 
     def items(self) -> list[tuple[str, Phase]]:

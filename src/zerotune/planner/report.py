@@ -32,10 +32,30 @@ def _phase_time(name: str, ph: Phase) -> str:
         return "-"
     if t.seconds is None:  # validation before `make data`: the eval rows are not counted yet
         return f"{t.per_row_s:.1f} s/row"
-    return _duration(t.seconds)
+    return _duration(t.seconds) + ("/step" if name == "rollout" else "")
 
 
 def _phase_time_notes(p: Plan) -> list[str]:
+    return _rollout_note(p) + _samples_note(p)
+
+
+def _rollout_note(p: Plan) -> list[str]:
+    """GRPO: what each optimizer step spends generating, beside what it spends training."""
+    ph = p.phases.rollout
+    if ph is None or ph.time is None:
+        return []
+    t = ph.time
+    how = ("the whole model gathered once per generate()" if ph.gather_once else
+           "per-token gathers under ZeRO-3 (the whole model does not fit beside the phase's peak)")
+    line = (f"  rollout: {t.rows} completions x {t.new_tokens} sampled tokens per micro-step, {_duration(t.per_micro_step_s)} "
+            f"each ({t.per_token_s:.3f} s per decode step; {how}): {_duration(t.seconds)} per optimizer step")
+    step = p.time.seconds_per_step
+    if step:
+        line += f" beside the training step's {_duration(step)} ({t.seconds / (t.seconds + step):.0%} of the step)"
+    return [line]
+
+
+def _samples_note(p: Plan) -> list[str]:
     samples = p.phases.samples
     s = samples.time
     if not (p.phases.validation.time and s and samples.runs and s.seconds):

@@ -123,7 +123,9 @@ class Target:
             nodes=nodes, gpu_is_cuda=self.on_gpu, peft=self.peft, capability=self.g.capability,
             lm_head_trainable=r.peft.method == "none" or "lm_head" in r.peft.modules_to_save,
             grad_accum_bytes=self.accum_bytes, grad_accum=self.grad_accum(seq, rows, gpn * nodes, sp),
-            preference_chunk=r.preference.chunk_tokens if r.pairs else None, sequence_parallel=sp)
+            # DPO's and GRPO's fused loss (preference/loss.py FusedTokenLoss): no sequence x vocabulary logits
+            preference_chunk=(r.preference.chunk_tokens if r.pairs else r.rl.chunk_tokens if r.grpo else None),
+            sequence_parallel=sp)
 
     def step_time(self, seq: int, rows: int, world: int | None = None, *, hpz: int | None = None,
                   cluster: str | None = None, sp: int | None = None) -> StepTime:

@@ -475,7 +475,8 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
                 peak_tflops: float, mfu: float, seq: int, attention_span: float, eval_rows: int | None,
                 samples: int, prompt_tokens: int, new_tokens: int, checkpoint_bytes: int, model_bytes: int,
                 save_s: float, gather_once: bool = False, probe_tokens: int = 256, rows_per_forward: int = 1,
-                reference_rows: int | None = None, module_numels: tuple = (), host_pass_s: float = 0.0) -> dict:
+                reference_rows: int | None = None, module_numels: tuple = (), host_pass_s: float = 0.0,
+                rollout: tuple[int, int, int, int] | None = None, rollout_gather_once: bool = False) -> dict:
     """Seconds of each phase that is not a training step, once each (the plan prints them beside their memory;
     the deadline reserves the end of training's validation and samples).
     validation: every rank forwards ceil(eval rows / world) rows of `seq` tokens, no grad: 2N + attention FLOPs
@@ -491,7 +492,12 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
     DPO: validation and the reference pass forward `rows_per_forward` rows (a micro-batch's pairs) per call, one
     gather per call; reference: `reference_rows` rows (2 per train and validation pair; None: data not prepared).
     host_pass_s: ZeRO-3's host work per forward (zero3_host_pass_s), the least a forward takes, decode's tokens
-    included; under gather_once the hooks find every weight present (not measured: not charged)."""
+    included; under gather_once the hooks find every weight present (not measured: not charged).
+    rollout: GRPO's (rows, prompt tokens, new tokens, micro-steps per optimizer step): before each micro-step's
+      forward, one generate() of its rows, timed as the samples' generation with `rows` rows per forward (a decode
+      step reads the weights once for all of them); seconds are per optimizer step, per rank (ranks roll out at
+      once). Sampling costs what greedy does; every row runs the whole budget (the bound: a finished row's pads
+      still go through the batch's forwards)."""
     gather = zero3_gather_s(dtype_bytes, n_params, module_numels, world, nodes, c)[0]
     flops_s = peak_tflops * 1e12 * mfu
 
@@ -502,16 +508,25 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
     per_row = forward_s(seq * rows_per_forward, attention_span) / rows_per_forward
     calls = -(-eval_rows // (world * rows_per_forward)) if eval_rows else None
     rows = calls * rows_per_forward if calls else None
-    if gather_once:
-        local = dtype_bytes * n_params / (c.hbm * GB)  # every weight read once per token
-        token = max(local, (2 * n_params + 2 * 2 * (prompt_tokens + new_tokens / 2) * q_dim * layers) / flops_s)
-        prefill = prompt_tokens * (2 * n_params + 2 * prompt_tokens * q_dim * layers) / flops_s
-        once = gather
-    else:
-        token = forward_s(1, prompt_tokens + new_tokens / 2)  # decode: gather-bound, the compute is ~0
-        prefill = forward_s(prompt_tokens, prompt_tokens / 2)
-        once = 0.0
+
+    def generation(n: int, prompt: int, new: int, once_gathered: bool) -> tuple[float, float, float]:
+        """(the gather before it, the prefill, one decode step) of a generate() over n rows."""
+        span = prompt + new / 2
+        if once_gathered:
+            local = dtype_bytes * n_params / (c.hbm * GB)  # every weight read once per decode step
+            step = max(local, n * (2 * n_params + 2 * 2 * span * q_dim * layers) / flops_s)
+            return gather, n * prompt * (2 * n_params + 2 * prompt * q_dim * layers) / flops_s, step
+        # decode: gather-bound, the compute is ~0
+        return 0.0, forward_s(n * prompt, prompt / 2), forward_s(n, span)
+
+    once, prefill, token = generation(1, prompt_tokens, new_tokens, gather_once)
     out = {}
+    if rollout is not None:  # GRPO
+        n, prompt, new, per_step = rollout
+        r_once, r_prefill, r_token = generation(n, prompt, new, rollout_gather_once)
+        micro = r_once + r_prefill + new * r_token
+        out["rollout"] = {"seconds": per_step * micro, "per_micro_step_s": micro, "per_token_s": r_token,
+                          "rows": n, "new_tokens": new}
     if rows_per_forward > 1:  # DPO
         ref_calls = -(-reference_rows // (world * rows_per_forward)) if reference_rows else None
         out["reference"] = {"seconds": per_row * rows_per_forward * ref_calls if ref_calls else None,
