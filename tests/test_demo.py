@@ -147,3 +147,32 @@ def test_make_demo_smollm2_dpo(tmp_path):
     assert retention["hf"] >= retention["base"] - 0.025 - 1e-9, retention  # within one answer of 40
     assert summary["leakage"]["retention"]["hf"] == 0 and summary["leakage"]["retention"]["gguf"] == 0
     assert summary["passed"] is True
+
+
+@pytest.mark.extended  # the SmolLM2 SFT + GRPO chains; CI: tests/test_grpo.py (tiny_grpo's rollouts, loss, resume)
+def test_make_demo_smollm2_grpo(tmp_path):
+    """RL with a verifiable reward after SFT on the real model, as `make demo RECIPE=smollm2_grpo` runs it: the SFT run
+    first (into tmp_path/sft), then GRPO through the whole chain, rewarded by the task's own scorer. The held-out
+    task gains at least 0.1 over the SFT model, retention stays within one answer, nothing leaks, and the GGUF
+    follows HF within 0.02; the log reports the rollouts' rewards. CI covers the same code in pieces: rewards, the
+    fused loss against the formula and Liger's, rollouts gathered once or per token, exact resume on tiny_grpo
+    (tests/test_grpo.py)."""
+    from conftest import zt
+
+    sft = tmp_path / "sft"
+    for stage in ("data", "finetune"):
+        zt(stage, "smollm2", f"output_dir={sft}", timeout=3600)
+    recipe, out = "smollm2_grpo", tmp_path / "grpo"
+    proc = subprocess.run(["make", "-s", "demo", f"RECIPE={recipe}",
+                           f"ARGS=output_dir={out} model.name_or_path={sft / 'model'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=5400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for noise in NOISE:
+        assert noise not in proc.stdout + proc.stderr, noise
+    assert "groups without spread" in proc.stdout + proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    task, retention = summary["sets"]["task"], summary["sets"]["retention"]
+    assert task["hf"] >= task["base"] + 0.1 and abs(task["gguf"] - task["hf"]) <= 0.02, task  # the held-out gain
+    assert retention["hf"] >= retention["base"] - 0.025 - 1e-9, retention  # within one answer of 40
+    assert summary["leakage"]["retention"]["hf"] == 0 and summary["leakage"]["retention"]["gguf"] == 0
+    assert summary["passed"] is True

@@ -43,14 +43,23 @@ def finalize(r: Recipe) -> dict:
         (tmp / "training_args.bin").unlink(missing_ok=True)  # pickled args: not needed to load the model
         mf.publish(tmp, out)
     run = RunRecord.read(paths.run_json)
-    losses = [h["loss"] for h in mf.read_jsonl(paths.metrics) if "loss" in h]
+    rows = [h for h in mf.read_jsonl(paths.metrics) if "loss" in h]
+    losses = [h["loss"] for h in rows]
+    # GRPO: its loss is ~0 by construction (advantages sum to 0 per group); what moved is the rollouts' reward
+    rewards = [h["rl/reward"] for h in rows if "rl/reward" in h]
     manifest = {"stage": "finetune", "recipe": r.name, "model": str(out), **(vars(run) if run else {}),
                 "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
+                **({"first_reward": rewards[0], "final_reward": rewards[-1]} if rewards else {}),
                 "verify": report, "model_sha256": {f: mf.sha256(out / f) for f in report["files"]}}
     mf.write(paths.train_manifest, manifest)
     plot_curves(paths.metrics, paths.curves)
-    shown = " -> ".join(f"{x:.4f}" if x is not None else "n/a" for x in (manifest["first_loss"], manifest["final_loss"]))
-    print(f"finetune: done in {run.elapsed_s if run else 0:.0f}s; loss {shown}; "
+    shown = "loss " + " -> ".join(f"{x:.4f}" if x is not None else "n/a"
+                                  for x in (manifest["first_loss"], manifest["final_loss"]))
+    if rewards:  # one step's few prompts are noisy: the first and last fifth of the run
+        k = max(1, len(rewards) // 5)
+        shown = (f"rollouts' mean reward {sum(rewards[:k]) / k:.3f} (first {k} steps) -> "
+                 f"{sum(rewards[-k:]) / k:.3f} (last {k})")
+    print(f"finetune: done in {run.elapsed_s if run else 0:.0f}s; {shown}; "
           f"verified and published {out} ({report['params']:,} parameters, max |logit diff| after reload "
           f"{report['max_abs_logit_diff']:.2e})", flush=True)
     return manifest
