@@ -59,6 +59,18 @@ def tiny_gguf(tmp_path_factory, tiny_model_dir) -> Path:
     return out
 
 
+def tiny_random_model(vocab: int = 512):
+    """tiny_llama31's architecture with a small vocabulary, random weights (seed 0), fp32: the fused losses' tests
+    compare it against the formulas on its full logits (test_preference.py, test_grpo.py)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.from_pretrained(TINY_CONFIG)
+    cfg.vocab_size = vocab
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
 def zt(*args: str, timeout: int = 1200, env: dict | None = None):
     """`python -m zerotune ARGS` as a user runs it, from the repo root; fails the test with the log tail.
     env: variables added to this process's environment (a fault injection, faults.py)."""

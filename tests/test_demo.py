@@ -118,6 +118,24 @@ def test_make_demo_per_family(recipe, tmp_path):
         assert content.startswith("<think>"), content
 
 
+def _demo_after_smollm2_sft(tmp_path, recipe: str) -> tuple[dict, str]:
+    """The smollm2 SFT run (into tmp_path/sft; the recipe's own runs/smollm2/model is trained by the demo when
+    missing), then `make demo RECIPE=recipe` from its model: (check's JSON summary, the log), no known noise."""
+    from conftest import zt
+
+    sft = tmp_path / "sft"
+    for stage in ("data", "finetune"):
+        zt(stage, "smollm2", f"output_dir={sft}", timeout=3600)
+    proc = subprocess.run(["make", "-s", "demo", f"RECIPE={recipe}",
+                           f"ARGS=output_dir={tmp_path / recipe} model.name_or_path={sft / 'model'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=5400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    for noise in NOISE:
+        assert noise not in log, noise
+    return json.loads(proc.stdout.strip().splitlines()[-1]), log
+
+
 @pytest.mark.extended  # the SmolLM2 SFT + DPO chains (43 min here, 2026-11-27); CI: tests/test_preference.py (below)
 def test_make_demo_smollm2_dpo(tmp_path):
     """Preference tuning after SFT on the real model, as `make demo RECIPE=smollm2_dpo` runs it: the SFT run first
@@ -126,19 +144,7 @@ def test_make_demo_smollm2_dpo(tmp_path):
     gains at least 0.1 (measured 0.700 -> 0.933), retention stays within one answer, nothing leaks, and the GGUF
     follows HF within 0.02. CI covers the same code in pieces: pair data, the loss, ZeRO-3 at 1 and 2 processes, resume and the reference cache on tiny_dpo,
     and eval.pairs on HF and GGUF (tests/test_preference.py)."""
-    from conftest import zt
-
-    sft = tmp_path / "sft"
-    for stage in ("data", "finetune"):
-        zt(stage, "smollm2", f"output_dir={sft}", timeout=3600)
-    recipe, out = "smollm2_dpo", tmp_path / "dpo"
-    proc = subprocess.run(["make", "-s", "demo", f"RECIPE={recipe}",
-                           f"ARGS=output_dir={out} model.name_or_path={sft / 'model'}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=3600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for noise in NOISE:
-        assert noise not in proc.stdout + proc.stderr, noise
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, _ = _demo_after_smollm2_sft(tmp_path, "smollm2_dpo")
     pref = summary["preference"]
     assert pref["hf_accuracy"] > pref["base_accuracy"], pref  # measured 0.933 -> 0.983: little headroom on the pairs
     assert abs(pref["gguf_accuracy"] - pref["hf_accuracy"]) <= 0.02 and pref["hf_reward_accuracy"] >= 0.8, pref
@@ -157,20 +163,8 @@ def test_make_demo_smollm2_grpo(tmp_path):
     follows HF within 0.02; the log reports the rollouts' rewards. CI covers the same code in pieces: rewards, the
     fused loss against the formula and Liger's, rollouts gathered once or per token, exact resume on tiny_grpo
     (tests/test_grpo.py)."""
-    from conftest import zt
-
-    sft = tmp_path / "sft"
-    for stage in ("data", "finetune"):
-        zt(stage, "smollm2", f"output_dir={sft}", timeout=3600)
-    recipe, out = "smollm2_grpo", tmp_path / "grpo"
-    proc = subprocess.run(["make", "-s", "demo", f"RECIPE={recipe}",
-                           f"ARGS=output_dir={out} model.name_or_path={sft / 'model'}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=5400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for noise in NOISE:
-        assert noise not in proc.stdout + proc.stderr, noise
-    assert "groups without spread" in proc.stdout + proc.stderr
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary, log = _demo_after_smollm2_sft(tmp_path, "smollm2_grpo")
+    assert "groups without spread" in log and "rollouts' mean reward" in log
     task, retention = summary["sets"]["task"], summary["sets"]["retention"]
     assert task["hf"] >= task["base"] + 0.1 and abs(task["gguf"] - task["hf"]) <= 0.02, task  # the held-out gain
     assert retention["hf"] >= retention["base"] - 0.025 - 1e-9, retention  # within one answer of 40

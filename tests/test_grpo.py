@@ -6,17 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO
-
-
-def _tiny_model(vocab: int = 512):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = AutoConfig.from_pretrained(REPO / "configs" / "models" / "tiny_llama31.json")
-    cfg.vocab_size = vocab
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+from conftest import REPO, tiny_random_model
 
 
 def _rollout_batch():
@@ -56,7 +46,7 @@ def test_fused_grpo_loss_equals_ligers_fused_loss_and_the_formula(loss_type, tem
 
     from zerotune.rl.loss import attach, grpo_loss_fn
 
-    model, eps, max_new = _tiny_model(), 0.2, 10
+    model, eps, max_new = tiny_random_model(), 0.2, 10
     ids, labels, adv = _rollout_batch()
     pos, mask = _grid(labels)
     old = None
@@ -224,7 +214,7 @@ def test_rollouts_are_seeded_per_step_and_rank_and_leave_the_trainers_rng_alone(
 
     from zerotune.rl.rollout import sample, seed_of
 
-    model = _tiny_model()
+    model = tiny_random_model()
     model.train()
     prompts, stop = [[5, 6, 7], [8, 9]], [2, 3]
     torch.manual_seed(123)

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import DPO_COMMON, REPO, read_metrics
+from conftest import DPO_COMMON, REPO, read_metrics, tiny_random_model
 from zerotune.config import RecipeError, from_dict
 from zerotune.data.formats import Pair, read_row
 from zerotune.errors import BadSample
@@ -168,16 +168,6 @@ def test_a_pair_counts_two_rows_of_the_global_batch():
 
 # ---- the loss ----------------------------------------------------------------------------------------------------
 
-def _tiny_model(vocab: int = 512):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    cfg = AutoConfig.from_pretrained(REPO / "configs" / "models" / "tiny_llama31.json")
-    cfg.vocab_size = vocab
-    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-
-
 def _pair_batch():
     """2 pairs: rows [chosen 1, chosen 2, rejected 1, rejected 2], right-padded, labels on the last tokens."""
     import torch
@@ -203,7 +193,7 @@ def test_fused_dpo_loss_equals_the_dpo_formula_and_its_gradients(loss_type, nll_
 
     from zerotune.preference.loss import attach, dpo_loss_fn
 
-    model, beta = _tiny_model(), 0.1
+    model, beta = tiny_random_model(), 0.1
     ids, mask, labels = _pair_batch()
     ref = torch.tensor([-40.0, -41.0, -45.0, -39.0])
     attach(model, dpo_loss_fn(beta, loss_type, nll_alpha=nll_alpha), chunk=3)
@@ -268,7 +258,7 @@ def test_the_attached_forward_shows_generate_the_models_own_parameters():
 
     from zerotune.preference.loss import attach, dpo_loss_fn
 
-    model = _tiny_model()
+    model = tiny_random_model()
     own = set(inspect.signature(model.forward).parameters)
     attach(model, dpo_loss_fn(0.1, "sigmoid"), chunk=3)
     seen = set(inspect.signature(model.forward).parameters)
