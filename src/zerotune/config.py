@@ -468,6 +468,18 @@ def check_sequence_parallel_heads(r: Recipe, heads: int, kv_heads: int) -> None:
                           + (" or ".join(map(str, ok)) if ok else "1 (no divisor works)") + ".")
 
 
+def _objective_rules(r: Recipe, where: str, objective: str, unpacked: str, trains_on: str) -> None:
+    """What DPO and GRPO both need from the data and the model: unpacked rows, no replay, full fine-tuning."""
+    if r.data.packing:
+        raise RecipeError(f"{where}: {objective}: {unpacked}; set data.packing: false.")
+    if r.data.replay is not None:
+        raise RecipeError(f"{where}: data.replay mixes supervised conversations into training, and {objective} "
+                          f"{trains_on}; set data.replay: null.")
+    if r.peft.method != "none":
+        raise RecipeError(f"{where}: {objective} with peft.method={r.peft.method} is not supported yet (tested: "
+                          f"full fine-tuning); set peft.method: none.")
+
+
 def _validate_rl(r: Recipe, where: str) -> None:
     """GRPO reads chat rows as prompt + reference answer (the last assistant turn), one row per prompt."""
     if not r.grpo:
@@ -476,19 +488,12 @@ def _validate_rl(r: Recipe, where: str) -> None:
     if r.pairs:
         raise RecipeError(f"{where}: rl.method=grpo and preference.method={r.preference.method} are two objectives; "
                           f"run DPO first as its own recipe and start GRPO from its model (model.name_or_path).")
-    if r.data.packing:
-        raise RecipeError(f"{where}: rl.method=grpo: prompts are not packed (each is answered group_size times); set "
-                          f"data.packing: false.")
-    if r.data.replay is not None:
-        raise RecipeError(f"{where}: data.replay mixes supervised conversations into training, and rl.method=grpo "
-                          f"learns from rewards only; set data.replay: null.")
+    _objective_rules(r, where, "rl.method=grpo", "prompts are not packed (each is answered group_size times)",
+                     "learns from rewards only")
     if rl.beta > 0:
         raise RecipeError(f"{where}: rl.beta={rl.beta}: the KL to the starting model needs its log-probs for every new "
                           f"rollout (a reference pass per step), which zerotune's GRPO does not compute yet; set "
                           f"rl.beta: 0 (the clipped ratio alone keeps each step near the rollout policy).")
-    if r.peft.method != "none":
-        raise RecipeError(f"{where}: rl.method=grpo with peft.method={r.peft.method} is not supported yet (tested: "
-                          f"full fine-tuning); set peft.method: none.")
     if r.train.sequence_parallel > 1:
         raise RecipeError(f"{where}: train.sequence_parallel={r.train.sequence_parallel} with rl.method=grpo: "
                           f"rollouts are generated whole on each rank; set train.sequence_parallel: 1.")
@@ -510,15 +515,9 @@ def _validate_preference(r: Recipe, where: str) -> None:
             raise RecipeError(f"{where}: preference.method={p.method} trains on chosen/rejected pairs, but "
                               f"data.sources has format(s) {sorted({s.format for s in r.data.sources}) or 'none'}: use a "
                               f"pair format ({', '.join(pair_fmts)}) for every source (docs/data.md#preference-pairs).")
-        if r.data.packing:
-            raise RecipeError(f"{where}: preference.method={p.method}: pairs are not packed (a micro-batch holds each "
-                              f"pair's chosen and rejected rows, padded); set data.packing: false.")
-        if r.data.replay is not None:
-            raise RecipeError(f"{where}: data.replay mixes supervised conversations into training, and "
-                              f"preference.method={p.method} trains on pairs only; set data.replay: null.")
-        if r.peft.method != "none":
-            raise RecipeError(f"{where}: preference.method={p.method} with peft.method={r.peft.method} is not "
-                              f"supported yet (tested: full fine-tuning); set peft.method: none.")
+        _objective_rules(r, where, f"preference.method={p.method}",
+                         "pairs are not packed (a micro-batch holds each pair's chosen and rejected rows, padded)",
+                         "trains on pairs only")
         smoothing_ok = {"robust": 0 <= p.label_smoothing < 0.5, "exo_pair": 0 < p.label_smoothing < 1}
         if not smoothing_ok.get(p.loss, p.label_smoothing == 0):
             raise RecipeError(f"{where}: preference.label_smoothing={p.label_smoothing} with preference.loss={p.loss}: "
