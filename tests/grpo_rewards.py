@@ -1,4 +1,4 @@
-"""Reward functions that misbehave, for tests/test_grpo.py (rl.reward: tests.grpo_rewards.<name>)."""
+"""Reward functions that misbehave, for tests/test_grpo.py (rl.reward: grpo_rewards.<name>)."""
 
 import time
 

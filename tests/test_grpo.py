@@ -118,7 +118,7 @@ def test_a_scorer_or_a_users_function_by_dotted_path_is_the_reward():
     assert _rewards("json_fields").of(['{"name": "Ada", "age": 36, "city": "Leiden"}', "{}"], [ROW, ROW]) == [1.0, 0.0]
     partial = _rewards("json_field_share").of(['{"name": "Ada", "age": 36, "city": "Lisbon"}'], [ROW])
     assert partial == [pytest.approx(2 / 3)]
-    assert _rewards("tests.grpo_rewards.length").of(["abcd"], [ROW]) == [4.0]
+    assert _rewards("grpo_rewards.length").of(["abcd"], [ROW]) == [4.0]
     assert _rewards("recipes.rewards.letters").of(["ab 1"], [ROW]) == [0.75]
 
 
@@ -129,11 +129,11 @@ def test_a_reward_that_fails_is_one_line_naming_the_function_and_the_prompt_or_a
     from zerotune.errors import UserError
 
     with pytest.raises(UserError) as e:
-        _rewards(f"tests.grpo_rewards.{fn}", reward_timeout_s=0.2).of(["x"], [ROW])
+        _rewards(f"grpo_rewards.{fn}", reward_timeout_s=0.2).of(["x"], [ROW])
     msg = str(e.value)
-    assert f"rl.reward tests.grpo_rewards.{fn} {says}" in msg and "\n" not in msg
+    assert f"rl.reward grpo_rewards.{fn} {says}" in msg and "\n" not in msg
     assert "lives in Leiden.<|assistant|>" in msg and "rl.on_reward_error: skip" in msg
-    assert _rewards(f"tests.grpo_rewards.{fn}", reward_timeout_s=0.2, on_reward_error="skip").of(["x"], [ROW]) == [None]
+    assert _rewards(f"grpo_rewards.{fn}", reward_timeout_s=0.2, on_reward_error="skip").of(["x"], [ROW]) == [None]
 
 
 def test_a_reward_path_that_does_not_import_stops_before_the_model_loads():
@@ -142,7 +142,7 @@ def test_a_reward_path_that_does_not_import_stops_before_the_model_loads():
     with pytest.raises(UserError, match=r"cannot import module 'no_such_module'"):
         _rewards("no_such_module.score")
     with pytest.raises(UserError, match=r"has no function 'nothing'"):
-        _rewards("tests.grpo_rewards.nothing")
+        _rewards("grpo_rewards.nothing")
 
 
 def test_group_advantages_are_grpos_or_dr_grpos_and_a_skipped_group_teaches_nothing():
@@ -283,6 +283,7 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
 def test_a_reward_that_raises_in_the_workers_stops_the_run_in_one_line_with_exit_2(tmp_path):
     """Under torchrun: the user's reward raises at the first rollout; `zerotune finetune` prints one line naming the
     function and the prompt and exits 2, no traceback, no torchrun failure report; the prepared data stays."""
+    import os
     import subprocess
     import sys
 
@@ -290,10 +291,11 @@ def test_a_reward_that_raises_in_the_workers_stops_the_run_in_one_line_with_exit
 
     _zt("data", "tiny_grpo", f"output_dir={tmp_path}")
     proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny_grpo", f"output_dir={tmp_path}",
-                           "rl.reward=tests.grpo_rewards.raises", "train.max_steps=2"], cwd=REPO,
-                          capture_output=True, text=True, timeout=1200)
+                           "rl.reward=grpo_rewards.raises", "train.max_steps=2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "tests")})  # where grpo_rewards.py is
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    said = [line for line in proc.stderr.splitlines() if "rl.reward tests.grpo_rewards.raises raised KeyError" in line]
+    said = [line for line in proc.stderr.splitlines() if "rl.reward grpo_rewards.raises raised KeyError" in line]
     assert len(said) == 1 and said[0].startswith("zerotune: ") and "[rank" not in proc.stderr, proc.stderr[-3000:]
     asked = said[0].split('ending "', 1)[1].split('";', 1)[0]
     assert "Repeat after me:" in asked and not asked.endswith("assistant")  # the question, no generation header
