@@ -208,8 +208,9 @@ def test_a_rows_prompt_is_everything_before_its_last_assistant_turn():
 
 def test_rollouts_are_seeded_per_step_and_rank_and_leave_the_trainers_rng_alone():
     """The same seed samples the same completions (a resumed run's are the uninterrupted run's), another seed others;
-    the global RNG the Trainer draws from is where it was; the model goes back to training mode; every completion
-    ends at its first stop token or runs the whole budget."""
+    the global RNG the Trainer draws from is where it was; the model goes back to training mode; a repetition penalty
+    in the model's generation_config changes nothing (the loss assumes softmax(logits / T)); every completion ends
+    at its first stop token or runs the whole budget."""
     import torch
 
     from zerotune.rl.rollout import sample, seed_of
@@ -224,6 +225,8 @@ def test_rollouts_are_seeded_per_step_and_rank_and_leave_the_trainers_rng_alone(
     b = sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 1), "cpu")
     c = sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 0), "cpu")
     assert a == b and a[0] != c[0]
+    model.generation_config.repetition_penalty, model.generation_config.no_repeat_ngram_size = 10.0, 1
+    assert sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 1), "cpu") == a, "the model's own settings"
     completions, truncated = a
     assert len(completions) == 8 and len(set(map(tuple, completions))) > 1  # sampled, not greedy
     for c_, cut in zip(completions, truncated):

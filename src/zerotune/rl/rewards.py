@@ -34,8 +34,8 @@ class RewardError(UserError):
     pass
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """Not an Exception: a user function's own `except Exception` must not swallow its time limit."""
 
 
 def load(rl: RlCfg):

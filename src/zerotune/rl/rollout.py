@@ -37,6 +37,14 @@ def split_row(input_ids: list[int], labels: list[int]) -> tuple[list[int], list[
     return list(input_ids[:start]), list(input_ids[start:end + 1])
 
 
+# Sampling settings generate() would otherwise take from the model's generation_config (transformers 5.23 fills every
+# field left None from it, generation/utils.py:2107-2109): each reshapes the distribution the loss assumes sampled
+# (repetition penalty :1466, no-repeat n-grams :1482, min-p / typical / epsilon / eta warpers :1624-1639, a minimum
+# length that suppresses the end of turn). Set to what does nothing.
+NEUTRAL = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_p": 0.0, "typical_p": 1.0,
+           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_new_tokens": 0}  # min_new_tokens wins over min_length
+
+
 def seed_of(base: int, step: int, micro: int, rank: int) -> int:
     return (base * 1_000_003 + step * 10_007 + micro * 101 + rank) % (2 ** 62)
 
@@ -61,7 +69,7 @@ def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int
     ids = torch.tensor([[stop[0]] * (width - len(p)) + p for p in rows], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
     config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
-                              eos_token_id=stop, pad_token_id=stop[0], use_cache=True)
+                              eos_token_id=stop, pad_token_id=stop[0], use_cache=True, **NEUTRAL)
     training = model.training
     cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     model.eval()
