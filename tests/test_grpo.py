@@ -244,13 +244,19 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     token (the fault that finds no room for the whole model, as at 8B on a full node) against a run stopped after
     step 1 by a deadline already passed (checkpoint-1 committed) and resumed, whose rollouts gather it once: every
     step's rollouts, rewards, loss and gradient norm equal. The log says what GRPO reports per step."""
+    import os
     import shutil
     import subprocess
     import sys
     import time
+    from pathlib import Path
 
     from conftest import _zt, read_metrics
 
+    def shm_buffers():  # DeepSpeed's CPU all-reduce buffers, which the launcher removes (train/launch.py)
+        return set(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
+
+    before = shm_buffers()
     ref, run = tmp_path / "ref", tmp_path / "run"
     _zt("data", "tiny_grpo", f"output_dir={ref}")
     log = _zt("finetune", "tiny_grpo", f"output_dir={ref}", *GRPO_COMMON,
@@ -264,7 +270,7 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     def finetune(**env):
         proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny_grpo", f"output_dir={run}",
                                *GRPO_COMMON], cwd=REPO, capture_output=True, text=True, timeout=1200,
-                              env={**__import__("os").environ, **env})
+                              env={**os.environ, **env})
         return proc.returncode, proc.stdout + proc.stderr
 
     rc, out = finetune(ZEROTUNE_DEADLINE=str(int(time.time())))
@@ -279,6 +285,7 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
         assert y["loss"] == pytest.approx(x["loss"], abs=1e-7), (x, y)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
     assert len({x["rl/reward"] for x in a}) > 1 and all(x["grad_norm"] > 0 for x in a), "rollouts that teach"
+    assert shm_buffers() <= before, "three runs (one stopped) left no 64 MiB shared-memory buffer behind"
 
 
 @pytest.mark.integration

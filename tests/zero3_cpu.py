@@ -19,6 +19,16 @@ MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_at
 WORLD = 2
 
 
+def _run(cmd: list[str], env: dict):
+    """torchrun, then the run's DeepSpeed shared-memory buffers removed, as zerotune's launcher does."""
+    from zerotune.train.launch import remove_shm_buffers
+
+    try:
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        remove_shm_buffers("127.0.0.1", int(cmd[5].split("=")[1]))
+
+
 def launch(worker: str, mode: str, out: Path) -> None:
     """torchrun `worker` (a test file that is its own worker) on WORLD CPU ranks as zerotune's CPU training is."""
     from zerotune.ports import free_port
@@ -27,7 +37,7 @@ def launch(worker: str, mode: str, out: Path) -> None:
            "LOCAL_SIZE": str(WORLD)}
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(Path(worker).resolve()), mode, str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = _run(cmd, env)
     if proc.returncode != 0 and "SIGABRT" in proc.stderr:
         # Once in about 13 launches while building test_phase_memory_zero3 a rank died of SIGABRT during the profiled
         # save (the profiler beside gloo's threads; cause not found). The measurement is deterministic, so a crash by
@@ -36,7 +46,7 @@ def launch(worker: str, mode: str, out: Path) -> None:
 
         warnings.warn(f"{mode} worker died of SIGABRT; retrying once:\n{proc.stderr[-1500:]}")
         cmd[5] = f"--master_port={free_port()}"
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        proc = _run(cmd, env)
     if proc.returncode != 0:  # the workers' own lines first: torchrun's summary at the end hides why they died
         own = "\n".join(line for line in proc.stderr.splitlines()
                         if line.startswith("[rank") or "terminate" in line or "Error" in line)

@@ -135,11 +135,28 @@ def launch(r: Recipe, skip_preflight: bool = False) -> int:
         env["LOCAL_SIZE"] = str(nproc)
     if nproc > 1:
         env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default then: stated here, it prints no banner about it
-    torchrun = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+    port = free_port()
+    torchrun = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}",
                 "-m", "zerotune.train", "worker", str(r.out)]
     print(f"finetune: launching {nproc} {'GPU' if n_gpu else 'CPU'} processes: torchrun {' '.join(torchrun)}", flush=True)
-    rc = subprocess.call([sys.executable, "-m", "zerotune.train", "torchrun", str(r.out), *torchrun], env=env)
+    try:
+        rc = subprocess.call([sys.executable, "-m", "zerotune.train", "torchrun", str(r.out), *torchrun], env=env)
+    finally:
+        remove_shm_buffers("127.0.0.1", port)
     return _say_outcome(r, Outcome.read(layout(r), rc))
+
+
+def remove_shm_buffers(addr: str, port: int) -> list[str]:
+    """DeepSpeed's CPU all-reduce creates one POSIX shared-memory buffer per rank (deepspeed 0.19.8
+    ops/csrc/cpu/comm/shm.cpp:349-368: /dev/shm/deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>,
+    64 MiB each) and never unlinks it (shared_close, :79-84, has no caller), killed or not: each CPU run would keep
+    2 x 67 MB of RAM until reboot (258 of them had filled 17 of this machine's 24 GB and got a worker OOM-killed).
+    The launcher knows the run's address and port, and removes them once its workers are gone."""
+    gone = []
+    for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_*"):
+        p.unlink(missing_ok=True)
+        gone.append(p.name)
+    return gone
 
 
 def _say_outcome(r: Recipe, o: Outcome) -> int:
