@@ -15,21 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 from bench_env import REPO, RESULTS, SMOLLM2  # first: the hub offline, src/ on the path
 
-from bench_stats import Steal, fmt_ratio, ratio_stats  # noqa: E402
+from bench_stats import Steal, fmt_ratio, ratio_stats, timed, write_results  # noqa: E402
 
 MODEL = SMOLLM2
 PROMPTS = REPO / "data" / "general" / "prompts.jsonl"
-
-
-def timed(fn) -> tuple[object, float, float]:
-    w, c = time.perf_counter(), time.process_time()
-    out = fn()
-    return out, time.perf_counter() - w, time.process_time() - c
 
 
 def main() -> int:
@@ -56,7 +49,7 @@ def main() -> int:
     for rep in range(a.repeats):
         order = [("batched", a.batch), ("one_at_a_time", 1)]
         for name, bs in (order if rep % 2 == 0 else order[::-1]):
-            out, wall, cpu = timed(lambda: hf_answers(model, tok, stop, rows, a.new_tokens, bs))
+            out, wall, cpu, _ = timed(lambda: hf_answers(model, tok, stop, rows, a.new_tokens, bs))
             runs[name].append({"wall_s": round(wall, 2), "cpu_s": round(cpu, 2)})
             answers.setdefault(name, out)
             print(f"bench answers: repeat {rep + 1}/{a.repeats} {name:<14} {wall:6.1f} s wall {cpu:6.1f} s CPU",
@@ -71,15 +64,13 @@ def main() -> int:
                      "batch": a.batch, "repeats": a.repeats, "threads": os.cpu_count()},
            "runs": runs, "identical_answers": True, "finished": sum(f for _, f in answers["batched"]),
            "speedup": ratio, "steal": steal.fraction()}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     md = ["# Batched answers (SmolLM2-135M, HF generate)", "",
           f"{a.prompts} prompts of data/general/prompts.jsonl, up to {a.new_tokens} new tokens each, greedy, "
           f"{a.batch} per generate() call (left-padded) against one at a time; identical answers "
           f"({res['finished']} of {a.prompts} ended before the limit). CPU steal {res['steal']}.", "",
           f"- per wall-second: {fmt_ratio(ratio['wall_s'])}",
           f"- per CPU-second: {fmt_ratio(ratio['cpu_s'])}", ""]
-    a.out.with_suffix(".md").write_text("\n".join(md))
+    write_results(a.out, res, md)
     print("\n".join(md))
     return 0
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench_env import RESULTS, SMOLLM2  # first: the hub offline, src/ on the path
 
-from bench_stats import Steal, fmt_ratio, ratio_stats  # noqa: E402
+from bench_stats import Steal, fmt_ratio, ratio_stats, write_results  # noqa: E402
 
 MODEL = SMOLLM2
 KERNELS = ("sdpa", "sdpa_docs")
@@ -145,8 +145,6 @@ def main() -> int:
                         "flops_ratio": round(fl["sdpa"]["total"] / fl["sdpa_docs"]["total"], 2)})
     out = {"model": "SmolLM2-135M-Instruct", "params": n_params, "threads": torch.get_num_threads(),
            "repeats": a.repeats, "steal": steal.fraction(), "rows": results}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
     lines = ["# Per-document attention vs the dense block-causal mask (SmolLM2-135M training)", "",
              f"One packed row per length, chats of bench_data.py's distribution, SmolLM2's template; fp32, gradient "
              f"checkpointing, AdamW, {out['threads']} threads; `sdpa` (dense mask) vs `sdpa_docs` (SDPA per document), "
@@ -164,7 +162,7 @@ def main() -> int:
                      f"{fmt_ratio(r['speedup_wall'])} | {fmt_ratio(r['speedup_cpu'])} |")
     lines += ["", "Attention span: sum of d^2 / sum of d over the row's documents (padding tail included), the mean "
               "number of tokens each token attends over per document; the dense mask makes every token pay for S."]
-    a.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_results(a.out, out, lines, indent=1)
     print("\n".join(lines))
     return 0
 

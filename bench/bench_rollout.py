@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import time
 from pathlib import Path
 
 from bench_env import REPO, RESULTS, SMOLLM2  # first: the hub offline, src/ on the path
 
-from bench_stats import Steal, fmt_ratio, ratio_stats  # noqa: E402
+from bench_stats import Steal, fmt_ratio, ratio_stats, timed, write_results  # noqa: E402
 
 MODEL = SMOLLM2
 PROMPTS = REPO / "data" / "smollm2" / "heldout.jsonl"
@@ -90,16 +88,6 @@ def cb_rollout(model, stop: list[int], prompts: list[list[int]], group: int, new
         raise SystemExit(f"bench rollout: generate_batch returned {len(out)} of {len(prompts) * group} sequences"
                          + (f", failed: {failed[:3]}: {out[failed[0]].error}" if failed else ""))
     return [count(list(r.generated_tokens), stop)[0] for r in out.values()]
-
-
-def timed(fn) -> tuple[object, float, float, float]:
-    """(result, wall s, CPU s, of which system s). System time is kept apart: on this VM a small generate() call now
-    and then took ~20 s of one thread's CPU time instead of its usual 1-2 s; the split says whether the kernel took
-    it (page reclaim with memory short) or the process did."""
-    w, t = time.perf_counter(), os.times()
-    out = fn()
-    e = os.times()
-    return out, time.perf_counter() - w, (e.user + e.system) - (t.user + t.system), e.system - t.system
 
 
 def main() -> int:
@@ -175,8 +163,6 @@ def main() -> int:
                      "generate_batch_config": {k: getattr(cb_config(sizes[-1] * a.group, 0, a.new_tokens, a.seed), k)
                                                for k in ("page_size", "max_batch_tokens")}},
            "sizes": res_sizes, "steal": steal.fraction()}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.with_suffix(".json").write_text(json.dumps(res, indent=2) + "\n")
     md = ["# GRPO rollouts (SmolLM2-135M, G samples per prompt)", "",
           f"The first prompts of {res['setup']['prompts_file']}, G = {a.group} sampled completions each "
           f"(temperature 1.0, top_p 1.0, no top_k, seed {a.seed}), up to {a.new_tokens} new tokens, all sequences "
@@ -198,7 +184,7 @@ def main() -> int:
         md += [f"- {s['sequences']} sequences, generate_batch / hf_generate, tokens per wall-second: "
                f"{fmt_ratio(r['tokens_per_s'])}; per CPU-second: {fmt_ratio(r['tokens_per_cpu_s'])}"]
     md.append("")
-    a.out.with_suffix(".md").write_text("\n".join(md))
+    write_results(a.out, res, md)
     print("\n".join(md))
     return 0
 

@@ -45,3 +45,25 @@ class Steal:
         if self.start is None or end is None or end[1] == self.start[1]:
             return None
         return round((end[0] - self.start[0]) / (end[1] - self.start[1]), 3)
+
+
+def timed(fn) -> tuple[object, float, float, float]:
+    """(result, wall s, CPU s, of which system s). System time is kept apart: on this VM a small generate() call now
+    and then took ~20 s of one thread's CPU time instead of its usual 1-2 s; the split says whether the kernel took
+    it (page reclaim with memory short) or the process did."""
+    import os
+    import time
+
+    w, t = time.perf_counter(), os.times()
+    out = fn()
+    e = os.times()
+    return out, time.perf_counter() - w, (e.user + e.system) - (t.user + t.system), e.system - t.system
+
+
+def write_results(out, data: dict, md: list[str], indent: int = 2) -> None:
+    """A bench's results: OUT.json (the numbers) and OUT.md (the table bench/report.py assembles)."""
+    import json
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=indent) + "\n")
+    out.with_suffix(".md").write_text("\n".join(md).rstrip("\n") + "\n")

@@ -6,6 +6,9 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+import torch.distributed as dist
+
 from . import faults
 
 
@@ -32,9 +35,6 @@ def room_to_gather(module, device) -> bool:
     """Whether every rank can hold the whole model in its 16-bit dtype beside what it holds now: free device memory
     (a GPU's, or the host's available RAM shared by this node's ranks) at least 1.25x the model (the generation's
     KV cache and activations in the rest), the minimum over ranks (the gather is a collective: all or none)."""
-    import torch
-    import torch.distributed as dist
-
     whole = sum(p.ds_numel * p.ds_tensor.element_size() for p in module.parameters())
     if torch.cuda.is_available():
         # the driver's free memory does not count what PyTorch's allocator holds cached from the training step (at

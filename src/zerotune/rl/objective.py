@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import time
 
+import torch
 from transformers import Trainer
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..chat_template import stop_ids
 from ..config import Recipe
@@ -87,8 +89,6 @@ class Objective:
 
     def rollouts(self, model, engine, batch: dict, step: int, micro: int, rank: int, device, sharded: bool) -> dict:
         """The micro-batch's rollouts as training rows, with each row's advantage, and what the log reports."""
-        import torch
-
         rl = self.rl
         prompts, references = batch["prompts"], batch["references"]
         budget = min(rl.max_new_tokens, self.r.data.seq_len - max(len(p) for p in prompts))
@@ -124,8 +124,6 @@ class Objective:
 
     # -- metrics --------------------------------------------------------------------------------------------
     def _add(self, **values) -> None:
-        import torch
-
         s = torch.tensor([float(values.get(k, 0.0)) for k in SUMS], dtype=torch.float64)
         self._sums = s if self._sums is None else self._sums + s
 
@@ -134,8 +132,6 @@ class Objective:
 
     def log_values(self, device) -> dict:
         """The rollouts' statistics since the last log, over all ranks (every rank logs the same step: a collective)."""
-        import torch
-
         s = self._sums if self._sums is not None else torch.zeros(len(SUMS), dtype=torch.float64)
         self._sums = None
         s = s.to(device)
@@ -170,8 +166,6 @@ class GrpoTrainer(Trainer):
         self._at = (-1, 0)  # (optimizer step, micro-steps taken in it): the rollouts' seed
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        from transformers.integrations import is_deepspeed_zero3_enabled
-
         step = self.state.global_step
         micro = self._at[1] if self._at[0] == step else 0
         self._at = (step, micro + 1)

@@ -121,7 +121,7 @@ class Rewards:
 def group_advantages(rewards, group_size: int, scale: bool):
     """rewards: (n,) float tensor, NaN for a skipped completion, in groups of group_size -> (advantages, number of
     groups with zero spread). A group with any NaN is skipped whole: advantage 0."""
-    import torch
+    import torch  # here: the launcher imports this module (rewards.load) and stays free of torch
 
     r = rewards.view(-1, group_size)
     skipped = torch.isnan(r).any(-1, keepdim=True)

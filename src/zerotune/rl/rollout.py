@@ -21,6 +21,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
 from ..gathering import whole_model
 from ..preference.loss import IGNORE
@@ -62,8 +63,6 @@ class Rollouts:
 def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float, top_p: float,
            stop: list[int], seed: int, device, synced_gpus: bool = False) -> tuple[list[list[int]], list[bool]]:
     """G completions per prompt: (tokens up to and including the first stop token, truncated) per row."""
-    from transformers import GenerationConfig
-
     rows = [p for p in prompts for _ in range(group_size)]
     width = max(len(p) for p in rows)
     ids = torch.tensor([[stop[0]] * (width - len(p)) + p for p in rows], device=device)
