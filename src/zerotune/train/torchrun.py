@@ -19,6 +19,7 @@ from ..stopping import REQUEUE_EXIT
 def run_torchrun(run_dir: Path, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main
 
     run = RunLayout(Path(run_dir))
@@ -34,9 +35,12 @@ def run_torchrun(run_dir: Path, argv: list[str]) -> int:
         h.addFilter(unexpected)
     try:
         main(argv)
-    except (ChildFailedError, SignalException):
-        # SignalException: another node's torchrun exited 75 first and srun --kill-on-bad-exit sent this one
-        # SIGTERM while its workers were stopping as asked (torch/distributed/launcher/api.py re-raises it)
+    except (ChildFailedError, SignalException, RendezvousError):
+        # Two races of a multi-node ending, both after the workers' last barrier: another node's torchrun exited
+        # 75 first and srun --kill-on-bad-exit sent this one SIGTERM (SignalException, re-raised by
+        # torch/distributed/launcher/api.py), or that torchrun hosted the rendezvous store and this one's monitor
+        # loop asked it for waiting nodes after it was gone (RendezvousConnectionError, agent/server/api.py
+        # _invoke_run: seen in CI on the two-node SLURM cluster)
         if run.stopped.exists():
             return REQUEUE_EXIT
         if read_handoff(run.train) is not None:
