@@ -319,8 +319,9 @@ def test_the_8b_grpo_recipe_fits_every_phase_of_a_v100_node_and_states_its_rollo
     """llama8b_grpo_zero3 on one node of 8 x V100-32GB: every phase fits; the training step takes the fused loss
     (no 8 x 1,024 x 128,256 logits); the rollout phase holds a micro-step's 8 rows of KV cache beside the states and
     cannot also hold the whole 16 GB model, so it gathers per token (the host's 32 layers x 4.5 ms per decode step);
-    its time per optimizer step is grad-accum x one generate(), printed beside the training step's. On 4 nodes the
-    states shrink to a quarter and the whole model is gathered once per generate(): the rollouts get faster."""
+    its time per optimizer step is grad-accum x one generate(), a term of the step time every part of the plan uses
+    (the headline, the node table, the preemption arithmetic). On 4 nodes the states shrink to a quarter and the
+    whole model is gathered once per generate(): the rollouts get faster, and the node table's speedup says so."""
     from zerotune.config import load_recipe
     from zerotune.planner.compute import compute_plan
     from zerotune.planner.memory import GiB
@@ -337,10 +338,20 @@ def test_the_8b_grpo_recipe_fits_every_phase_of_a_v100_node_and_states_its_rollo
     assert not ro.gather_once and ro.time.rows == 8 and ro.time.new_tokens == 512
     assert ro.time.per_token_s == pytest.approx(32 * FIGURES["zero3_host_s_per_layer_pass"].value, rel=0.01)
     assert ro.time.seconds == pytest.approx(8 * ro.time.per_micro_step_s)
-    assert ro.time.seconds > p.time.seconds_per_step  # full fine-tuning at 8B: the rollouts are most of a step
+    # full fine-tuning at 8B on one node: the rollouts are most of a step, and the step counts them
+    assert p.time.terms.rollout == ro.time.seconds > 0.5 * p.time.seconds_per_step
+    assert p.time.seconds_per_step == pytest.approx(p.time.terms.total) and p.time.dominant == "rollout"
+    assert p.preemption.lost_on_kill_s == pytest.approx(r.train.save_steps * p.time.seconds_per_step)
     text = format_plan(p)
-    assert "rollout: 8 completions x 512 sampled tokens per micro-step" in text and "beside the training step's" in text
+    assert "8 generate() x 75 s: 8 completions x 512 sampled tokens each" in text
+    assert "of each 12 min optimizer step (83%) samples completions" in text
 
     four = compute_plan(r, nodes=4)
     assert four.phases.rollout.gather_once and four.phases.rollout.fits
     assert four.phases.rollout.time.per_micro_step_s < ro.time.per_micro_step_s / 3
+    # the node table's rows are the same step times: one node's rollouts per token, four nodes' gathered once
+    rows = {row.nodes: row.on(p.time.cluster) for row in p.time.nodes.rows}
+    assert rows[1].seconds_per_step == pytest.approx(p.time.seconds_per_step)
+    assert rows[4].terms.rollout == pytest.approx(four.time.terms.rollout)
+    assert rows[4].speedup > 4  # more than the GPUs: the gathers per sampled token are gone
+    assert not compute_plan(load_recipe("llama8b_zero3")).time.terms.rollout

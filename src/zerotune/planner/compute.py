@@ -29,7 +29,6 @@ from . import time as timemodel
 from .disk import disk_events, held, world_size_change
 from .nodes import node_table
 from .options import options, recommend, suggestions
-from .phases import phase_plan
 from .records import (Cluster, DataSteps, Disk, DiskEvent, FewSteps, FinalizeHostRam, Held, HpzCopy, Inference,
                       Memory, ModelSummary, OffloadHostRam, OffloadTime, OffloadUnmodelled, Phases, PhaseTime, Plan,
                       Preemption, QuantFit, RecipeBatch, StepTime, Views, WorldSizeChange)
@@ -55,7 +54,7 @@ def compute_plan(r: Recipe, gpu: str | None = None, gpus_per_node: int | None = 
     time = t.step_time(r.data.seq_len, rows)
     if time.seconds_per_step and t.g.cluster and t.zero_stage == 3:  # multi-node = ZeRO-3 here
         time = dataclasses.replace(time, nodes=node_table(t))
-    phases = with_times(t, gather_once(t, phase_plan_of(t, mem)), time, disk, data)
+    phases = with_times(t, t.phases(mem), time, disk, data)
     opts = options(t)
     rec = recommend(t, opts)
     replay, replay_error = plan_replay(t)
@@ -121,48 +120,6 @@ def data_steps(t: Target, batch: RecipeBatch) -> DataSteps:
 # ---------------------------------------------------------------------------------------------
 
 
-def phase_plan_of(t: Target, mem: dict) -> Phases:
-    """The recipe's own batch through every phase of its job (planner/phases.py)."""
-    r = t.r
-    sets = r.eval_sets()  # in-training samples answer the first set's prompts (validation._sample_prompts)
-    seq, rows = r.data.seq_len, t.rows(r.train.micro_batch_size)
-    return phase_plan(m=t.shape, train=mem, precision=t.choice.precision, attention=t.choice.attention,
-                      liger=t.choice.liger, packing=r.data.packing, zero=t.zero, world=t.world,
-                      gpus_per_node=t.gpus_per_node, on_gpu=t.on_gpu, seq=seq, micro=rows,
-                      # the step's micro-batches still bound on the GPU between steps: none under sequence
-                      # parallelism, whose adapter keeps its slices on the host (memory.memory_breakdown)
-                      grad_accum=t.grad_accum(seq, rows) if t.sp == 1 else 0, trainable=t.trainable, peft=t.peft, gpu_capacity=t.capacity,
-                      host_capacity=int(r.plan.cpu_ram_gb * 1e9), validation_runs=r.data.eval_fraction > 0,
-                      samples=r.eval.samples if sets else 0, max_new_tokens=sets[0].max_new_tokens if sets else 0,
-                      quant_type=r.quantize.type, preference_chunk=r.preference.chunk_tokens if r.pairs else None,
-                      rollout=rollout_shape(t) if r.grpo else None)
-
-
-def rollout_shape(t: Target) -> tuple[int, int, int]:
-    """A GRPO micro-step's generate(): (rows = micro prompts x G, the prompt bound, the tokens sampled). A prompt
-    and its completion fit in a row (rl/objective.py caps the completion at seq_len - the longest prompt)."""
-    r = t.r
-    new = r.rl.max_new_tokens
-    return t.rows(r.train.micro_batch_size), r.data.seq_len - new, new
-
-
-def gather_once(t: Target, phases: Phases) -> Phases:
-    """In-training samples and GRPO's rollouts under ZeRO-3 across ranks: gather the whole model once per
-    generate() call (gathering.py, as TRL's unwrap_model_for_generation does) when it fits beside the phase's own
-    peak, instead of once per generated token. Where it fits, the phase holds the 16-bit model too; where it does not
-    (one 8xV100 node at 8B), per-token gathers stay, over the node's NVLink."""
-    whole = hardware.dtype_bytes(t.choice.precision) * t.shape.n_params
-    changed = {}
-    for name in ("samples", "rollout"):
-        s = getattr(phases, name)
-        if s is None or not (t.world > 1 and s.peak_bytes + whole <= t.capacity):
-            continue
-        changed[name] = dataclasses.replace(s, parts={**s.parts, "whole model gathered once (16-bit)": whole},
-                                            peak_bytes=s.peak_bytes + whole, gather_once=True,
-                                            what=s.what + "; the whole model gathered once per generate()")
-    return dataclasses.replace(phases, **changed)
-
-
 def with_times(t: Target, phases: Phases, time: StepTime, disk: Disk, data: DataSteps) -> Phases:
     """Each non-training phase's seconds once on the target cluster (time.phase_times); unchanged where the time
     model has no figures (a CPU target)."""
@@ -176,10 +133,7 @@ def with_times(t: Target, phases: Phases, time: StepTime, disk: Disk, data: Data
     span = time.attention_span or (seq / 2 if time.attention_kind == "causal" else seq)
     rows = t.rows(r.train.micro_batch_size)
     times = timemodel.phase_times(
-        n_params=t.shape.n_params, layers=t.shape.layers, q_dim=t.shape.q_dim,
-        dtype_bytes=hardware.dtype_bytes(t.choice.precision), world=t.world, nodes=t.nodes,
-        c=timemodel.CLUSTERS[t.cluster], peak_tflops=hardware.peak_tflops(t.g, t.choice.precision), mfu=t.mfu,
-        seq=seq, attention_span=span,
+        t.forwards(), seq=seq, attention_span=span,
         eval_rows=t.rows(data.eval_sequences or 0) if r.data.eval_fraction > 0 else 0,
         samples=r.eval.samples if sets else 0, prompt_tokens=seq,  # the memory phase's bound: prompts <= a row
         new_tokens=sets[0].max_new_tokens if sets else 0, checkpoint_bytes=disk.checkpoint_bytes,
@@ -187,12 +141,9 @@ def with_times(t: Target, phases: Phases, time: StepTime, disk: Disk, data: Data
         # DPO: a micro-batch's rows per no-grad forward; the reference pass: every pair's 2 rows (None: no data yet)
         rows_per_forward=rows if r.pairs else 1,
         reference_rows=t.rows(data.train_sequences + (data.eval_sequences or 0))
-        if r.pairs and data.train_sequences is not None else None,
-        module_numels=t.shape.zero3_modules(t.zero)[0],
-        host_pass_s=timemodel.zero3_host_pass_s(t.zero_stage, t.shape.layers, t.peft is not None),
-        # GRPO: one generate() per micro-step, grad-accum of them per optimizer step on each rank
-        rollout=(*rollout_shape(t), t.grad_accum(r.data.seq_len, rows)) if phases.rollout is not None else None,
-        rollout_gather_once=phases.rollout is not None and phases.rollout.gather_once)
+        if r.pairs and data.train_sequences is not None else None)
+    if r.grpo:  # the same seconds the step time counts (Target.step_time)
+        times["rollout"] = t.rollout_time(r.data.seq_len, rows)
     timed = {name: dataclasses.replace(getattr(phases, name), time=PhaseTime(**v)) for name, v in times.items()
              if getattr(phases, name) is not None}
     return dataclasses.replace(phases, **timed)

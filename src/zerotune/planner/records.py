@@ -173,13 +173,15 @@ class Terms:
     host: float  # ZeRO-3's host work where a pass's GPU work is shorter
     optimizer: float
     fixed: float
+    rollout: float = 0.0  # GRPO: sampling the step's completions (every other recipe: none, and not listed)
 
     def items(self) -> list[tuple[str, float]]:
-        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name != "rollout" or self.rollout]
 
     @property
     def total(self) -> float:
-        return self.compute + self.communication + self.host + self.optimizer + self.fixed
+        return sum(v for _, v in self.items())
 
 
 @dataclass(frozen=True)

@@ -39,20 +39,26 @@ def _phase_time_notes(p: Plan) -> list[str]:
     return _rollout_note(p) + _samples_note(p)
 
 
+def _rollout_why(p: Plan) -> str:
+    """GRPO's rollout term of the step (time section): the micro-steps' generate() calls, and how they gather."""
+    ph = p.phases.rollout
+    if ph is None or ph.time is None:
+        return ""
+    t = ph.time
+    how = ("the whole model gathered once per generate()" if ph.gather_once else
+           "per-token gathers under ZeRO-3: the whole model does not fit beside the rollout's peak")
+    return (f"{p.time.grad_accum} generate() x {_duration(t.per_micro_step_s)}: {t.rows} completions x "
+            f"{t.new_tokens} sampled tokens each, {t.per_token_s:.3f} s per decode step ({how})")
+
+
 def _rollout_note(p: Plan) -> list[str]:
     """GRPO: what each optimizer step spends generating, beside what it spends training."""
     ph = p.phases.rollout
-    if ph is None or ph.time is None:
+    if ph is None or ph.time is None or not p.time.seconds_per_step:
         return []
-    t = ph.time
-    how = ("the whole model gathered once per generate()" if ph.gather_once else
-           "per-token gathers under ZeRO-3 (the whole model does not fit beside the phase's peak)")
-    line = (f"  rollout: {t.rows} completions x {t.new_tokens} sampled tokens per micro-step, {_duration(t.per_micro_step_s)} "
-            f"each ({t.per_token_s:.3f} s per decode step; {how}): {_duration(t.seconds)} per optimizer step")
-    step = p.time.seconds_per_step
-    if step:
-        line += f" beside the training step's {_duration(step)} ({t.seconds / (t.seconds + step):.0%} of the step)"
-    return [line]
+    t, step = ph.time, p.time.seconds_per_step
+    return [f"  rollout: {_duration(t.seconds)} of each {_duration(step)} optimizer step ({t.seconds / step:.0%}) "
+            f"samples completions, the rest trains on them: {_rollout_why(p)}"]
 
 
 def _samples_note(p: Plan) -> list[str]:
@@ -112,6 +118,11 @@ def node_advice(nt: NodeTable, gpus_per_node: int, capacity: int, tokens: int) -
     lost = ", ".join(f"{row.on(own).terms.communication / row.on(own).seconds_per_step:.1%}" for row in multi)
     out = [f"scaling on {own}: {scale} one node; communication not hidden: {lost} of the step; the checkpoint "
            f"save ({one.fixed_parts.save_s:,.0f} s/step) does not shrink with more nodes",
+           *(["GRPO's rollouts per step: " + ", ".join(f"{row.nodes} node{'s' if row.nodes > 1 else ''} "
+                                                          f"{_duration(row.on(own).terms.rollout)}" for row in nt.rows)
+              + ": fewer micro-steps each, and once the model states leave room the whole model is gathered once per "
+                "generate() instead of every parameter per sampled token (`zerotune plan plan.nodes=N` says which)"]
+             if one.terms.rollout else []),
            f"communication overtakes compute below ~{two.crossover_tokens:,.0f} tokens per GPU per micro-step "
            f"across nodes (~{one.crossover_tokens:,.0f} inside one node); the recipe runs {tokens:,} "
            "(seq_len x micro-batch)"]
@@ -165,7 +176,8 @@ def format_time(p: Plan) -> list[str]:
                     if pm.host_s else "none (not ZeRO-3)"),
            "optimizer": t.optimizer_how,
            "fixed": f"batch fetch {fp.fetch_s:.1f} s, logging {fp.bookkeeping_s:.2f} s, checkpoint save "
-                    f"{fp.save_s:.0f} s per step"}
+                    f"{fp.save_s:.0f} s per step",
+           "rollout": _rollout_why(p)}
     for k, v in t.terms.items():
         lines.append(f"  {k:<14} {_h(v):>10} {v / total:6.1%}  {why[k]}")
     lines.append(f"  {'total':<14} {_h(total):>10}         = "

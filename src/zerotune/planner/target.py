@@ -19,7 +19,8 @@ from . import time as timemodel
 from .flops import flops_per_step
 from ..hub import ModelConfigError, config_source
 from .memory import GiB, ModelShape, memory_breakdown, peft_trainable_params, shape_of, ulysses_kv_dim
-from .records import FixedParts, MicroStep, StepTime, Terms
+from .phases import phase_plan
+from .records import FixedParts, MicroStep, Phases, StepTime, Terms
 
 
 class PlanError(UserError, RuntimeError):
@@ -127,6 +128,72 @@ class Target:
             preference_chunk=(r.preference.chunk_tokens if r.pairs else r.rl.chunk_tokens if r.grpo else None),
             sequence_parallel=sp)
 
+    def phases(self, mem: dict, seq: int | None = None, rows: int | None = None) -> Phases:
+        """Every phase of the job at `rows` x `seq` (default: the recipe's own batch) on this target (planner/phases.py);
+        mem: the training step's memory_breakdown at that batch. Under ZeRO-3, the generating phases gather the whole
+        model once where it fits (gather_once)."""
+        r = self.r
+        sets = r.eval_sets()  # in-training samples answer the first set's prompts (validation._sample_prompts)
+        seq = seq or r.data.seq_len
+        rows = rows or self.rows(r.train.micro_batch_size)
+        return self._gather_once(phase_plan(
+            m=self.shape, train=mem, precision=self.choice.precision, attention=self.choice.attention,
+            liger=self.choice.liger, packing=r.data.packing, zero=self.zero, world=self.world,
+            gpus_per_node=self.gpus_per_node, on_gpu=self.on_gpu, seq=seq, micro=rows,
+            # the step's micro-batches still bound on the GPU between steps: none under sequence
+            # parallelism, whose adapter keeps its slices on the host (memory.memory_breakdown)
+            grad_accum=self.grad_accum(seq, rows) if self.sp == 1 else 0, trainable=self.trainable, peft=self.peft,
+            gpu_capacity=self.capacity, host_capacity=int(r.plan.cpu_ram_gb * 1e9),
+            validation_runs=r.data.eval_fraction > 0, samples=r.eval.samples if sets else 0,
+            max_new_tokens=sets[0].max_new_tokens if sets else 0, quant_type=r.quantize.type,
+            preference_chunk=r.preference.chunk_tokens if r.pairs else None,
+            rollout=self.rollout_shape(seq, rows) if r.grpo else None))
+
+    def rollout_shape(self, seq: int, rows: int) -> tuple[int, int, int]:
+        """A GRPO micro-step's generate(): (rows = micro prompts x G, the prompt bound, the tokens sampled). A prompt
+        and its completion fit in a row (rl/objective.py caps the completion at seq_len - the longest prompt)."""
+        new = self.r.rl.max_new_tokens
+        return rows, seq - new, new
+
+    def _gather_once(self, phases: Phases) -> Phases:
+        """In-training samples and GRPO's rollouts under ZeRO-3 across ranks: gather the whole model once per
+        generate() call (gathering.py, as TRL's unwrap_model_for_generation does) when it fits beside the phase's
+        own peak, instead of once per generated token. Where it fits, the phase holds the 16-bit model too; where it
+        does not (one 8xV100 node at 8B), per-token gathers stay, over the node's NVLink."""
+        whole = hardware.dtype_bytes(self.choice.precision) * self.shape.n_params
+        changed = {}
+        for name in ("samples", "rollout"):
+            s = getattr(phases, name)
+            if s is None or not (self.world > 1 and s.peak_bytes + whole <= self.capacity):
+                continue
+            changed[name] = dataclasses.replace(s, parts={**s.parts, "whole model gathered once (16-bit)": whole},
+                                                peak_bytes=s.peak_bytes + whole, gather_once=True,
+                                                what=s.what + "; the whole model gathered once per generate()")
+        return dataclasses.replace(phases, **changed)
+
+    def forwards(self, world: int | None = None, cluster: str | None = None) -> timemodel.Model:
+        """What a no-grad forward costs on this target at `world` GPUs (validation, samples, rollouts)."""
+        world = world or self.world
+        return timemodel.Model(
+            n_params=self.shape.n_params, layers=self.shape.layers, q_dim=self.shape.q_dim,
+            dtype_bytes=hardware.dtype_bytes(self.choice.precision), world=world, nodes=world // self.gpus_per_node,
+            c=timemodel.CLUSTERS[cluster or self.cluster], peak_tflops=hardware.peak_tflops(self.g, self.choice.precision),
+            mfu=self.mfu, module_numels=self.shape.zero3_modules(self.zero)[0],
+            host_pass_s=timemodel.zero3_host_pass_s(self.zero_stage, self.shape.layers, self.peft is not None))
+
+    def rollout_time(self, seq: int, rows: int, world: int | None = None, cluster: str | None = None) -> dict | None:
+        """GRPO: the rollouts of one optimizer step at `rows` x `seq` on `world` GPUs (time.rollout_time), gathered
+        once or per token as the rollout phase's memory at that world size allows; None for other objectives or a
+        target without time figures. Part of every step time (step_time), so the node table, the choices and the
+        preemption arithmetic count it."""
+        if not (self.r.grpo and self.timed):
+            return None
+        world = world or self.world
+        at = dataclasses.replace(self, nodes=world // self.gpus_per_node)
+        once = at.phases(at.memory(seq, rows), seq, rows).rollout.gather_once
+        return timemodel.rollout_time(self.forwards(world, cluster), *self.rollout_shape(seq, rows),
+                                      micro_steps=self.grad_accum(seq, rows, world), gather_once=once)
+
     def step_time(self, seq: int, rows: int, world: int | None = None, *, hpz: int | None = None,
                   cluster: str | None = None, sp: int | None = None) -> StepTime:
         """FLOPs per optimizer step and, where the time model has figures, the seconds it takes: compute at the
@@ -144,6 +211,9 @@ class Target:
             return flops
         c = timemodel.CLUSTERS[cluster or self.cluster]
         job = self._job(f["flops_per_step"], seq, rows, world, hpz, sp, row)
+        rollout = self.rollout_time(seq, rows, world, cluster)
+        if rollout:
+            job = dataclasses.replace(job, rollout_s=rollout["seconds"])
         # fp32 (Gemma 3 on V100): its own peak
         t = timemodel.step_time(job, c, hardware.peak_tflops(self.g, self.choice.precision), self.mfu)
         return dataclasses.replace(

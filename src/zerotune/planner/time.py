@@ -297,6 +297,7 @@ class Job:
     layers: int = 0
     passes: int = 3             # forward, recompute (gradient checkpointing), backward; 2 without recompute
     adapters: bool = False      # LoRA / QLoRA: ZeRO-3's host work per layer is the adapted layer's
+    rollout_s: float = 0.0      # GRPO: the step's generate() calls on each rank, before their micro-steps' forwards
 
     @property
     def world(self) -> int:
@@ -447,7 +448,7 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
     save = job.save_s / job.save_steps if job.save_steps > 0 else 0.0
     fixed = fetch + F("bookkeeping_s") + save
     terms = {"compute": ga * compute, "communication": ga * (micro - compute) + step_comm,
-             "host": ga * host_exposed, "optimizer": optimizer, "fixed": fixed}
+             "host": ga * host_exposed, "optimizer": optimizer, "fixed": fixed, "rollout": job.rollout_s}
     total = sum(terms.values())
     comm_micro = m_fwd + m_bwd + a2a  # all of it, before overlap
     return {
@@ -471,12 +472,60 @@ def hpz_bytes(n_params: int, dtype_bytes: int, hpz: int) -> int:
     return 0 if hpz <= 1 else int(math.ceil(n_params / hpz) * dtype_bytes)
 
 
-def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, world: int, nodes: int, c: Cluster,
-                peak_tflops: float, mfu: float, seq: int, attention_span: float, eval_rows: int | None,
+@dataclass(frozen=True)
+class Model:
+    """The forwards a no-grad phase runs (validation, samples, GRPO's rollouts) on one cluster: what they cost."""
+    n_params: int
+    layers: int
+    q_dim: int
+    dtype_bytes: int
+    world: int
+    nodes: int
+    c: Cluster
+    peak_tflops: float
+    mfu: float
+    module_numels: tuple = ()
+    host_pass_s: float = 0.0
+
+    @property
+    def gather_s(self) -> float:
+        return zero3_gather_s(self.dtype_bytes, self.n_params, self.module_numels, self.world, self.nodes, self.c)[0]
+
+    def flops(self, tokens: float, span: float) -> float:
+        return tokens * (2 * self.n_params + 2 * 2 * span * self.q_dim * self.layers)
+
+    def forward_s(self, tokens: int, span: float) -> float:
+        compute = self.flops(tokens, span) / (self.peak_tflops * 1e12 * self.mfu)
+        return max(_pass_s(compute, self.gather_s, F("overlap")), self.host_pass_s)
+
+    def generation(self, n: int, prompt: int, new: int, once_gathered: bool) -> tuple[float, float, float]:
+        """(the gather before it, the prefill, one decode step) of a generate() over n rows."""
+        span = prompt + new / 2
+        if once_gathered:
+            flops_s = self.peak_tflops * 1e12 * self.mfu
+            local = self.dtype_bytes * self.n_params / (self.c.hbm * GB)  # every weight read once per decode step
+            step = max(local, self.flops(n, span) / flops_s)
+            return self.gather_s, self.flops(n * prompt, prompt / 2) / flops_s, step
+        # decode: gather-bound, the compute is ~0
+        return 0.0, self.forward_s(n * prompt, prompt / 2), self.forward_s(n, span)
+
+
+def rollout_time(model: Model, rows: int, prompt: int, new: int, micro_steps: int, gather_once: bool) -> dict:
+    """GRPO: before each micro-step's forward, one generate() of its `rows` rows (micro prompts x G), timed as the
+    samples' generation with `rows` rows per forward (a decode step reads the weights once for all of them);
+    seconds per optimizer step (`micro_steps` of them), per rank (ranks roll out at once). Sampling costs what
+    greedy does; every row runs the whole budget (the bound: a finished row's pads still go through the batch's
+    forwards)."""
+    once, prefill, token = model.generation(rows, prompt, new, gather_once)
+    micro = once + prefill + new * token
+    return {"seconds": micro_steps * micro, "per_micro_step_s": micro, "per_token_s": token, "rows": rows,
+            "new_tokens": new}
+
+
+def phase_times(model: Model, *, seq: int, attention_span: float, eval_rows: int | None,
                 samples: int, prompt_tokens: int, new_tokens: int, checkpoint_bytes: int, model_bytes: int,
                 save_s: float, gather_once: bool = False, probe_tokens: int = 256, rows_per_forward: int = 1,
-                reference_rows: int | None = None, module_numels: tuple = (), host_pass_s: float = 0.0,
-                rollout: tuple[int, int, int, int] | None = None, rollout_gather_once: bool = False) -> dict:
+                reference_rows: int | None = None) -> dict:
     """Seconds of each phase that is not a training step, once each (the plan prints them beside their memory;
     the deadline reserves the end of training's validation and samples).
     validation: every rank forwards ceil(eval rows / world) rows of `seq` tokens, no grad: 2N + attention FLOPs
@@ -492,41 +541,13 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
     DPO: validation and the reference pass forward `rows_per_forward` rows (a micro-batch's pairs) per call, one
     gather per call; reference: `reference_rows` rows (2 per train and validation pair; None: data not prepared).
     host_pass_s: ZeRO-3's host work per forward (zero3_host_pass_s), the least a forward takes, decode's tokens
-    included; under gather_once the hooks find every weight present (not measured: not charged).
-    rollout: GRPO's (rows, prompt tokens, new tokens, micro-steps per optimizer step): before each micro-step's
-      forward, one generate() of its rows, timed as the samples' generation with `rows` rows per forward (a decode
-      step reads the weights once for all of them); seconds are per optimizer step, per rank (ranks roll out at
-      once). Sampling costs what greedy does; every row runs the whole budget (the bound: a finished row's pads
-      still go through the batch's forwards)."""
-    gather = zero3_gather_s(dtype_bytes, n_params, module_numels, world, nodes, c)[0]
-    flops_s = peak_tflops * 1e12 * mfu
-
-    def forward_s(tokens: int, span: float) -> float:
-        compute = tokens * (2 * n_params + 2 * 2 * span * q_dim * layers) / flops_s
-        return max(_pass_s(compute, gather, F("overlap")), host_pass_s)
-
-    per_row = forward_s(seq * rows_per_forward, attention_span) / rows_per_forward
+    included; under gather_once the hooks find every weight present (not measured: not charged)."""
+    world = model.world
+    per_row = model.forward_s(seq * rows_per_forward, attention_span) / rows_per_forward
     calls = -(-eval_rows // (world * rows_per_forward)) if eval_rows else None
     rows = calls * rows_per_forward if calls else None
-
-    def generation(n: int, prompt: int, new: int, once_gathered: bool) -> tuple[float, float, float]:
-        """(the gather before it, the prefill, one decode step) of a generate() over n rows."""
-        span = prompt + new / 2
-        if once_gathered:
-            local = dtype_bytes * n_params / (c.hbm * GB)  # every weight read once per decode step
-            step = max(local, n * (2 * n_params + 2 * 2 * span * q_dim * layers) / flops_s)
-            return gather, n * prompt * (2 * n_params + 2 * prompt * q_dim * layers) / flops_s, step
-        # decode: gather-bound, the compute is ~0
-        return 0.0, forward_s(n * prompt, prompt / 2), forward_s(n, span)
-
-    once, prefill, token = generation(1, prompt_tokens, new_tokens, gather_once)
+    once, prefill, token = model.generation(1, prompt_tokens, new_tokens, gather_once)
     out = {}
-    if rollout is not None:  # GRPO
-        n, prompt, new, per_step = rollout
-        r_once, r_prefill, r_token = generation(n, prompt, new, rollout_gather_once)
-        micro = r_once + r_prefill + new * r_token
-        out["rollout"] = {"seconds": per_step * micro, "per_micro_step_s": micro, "per_token_s": r_token,
-                          "rows": n, "new_tokens": new}
     if rows_per_forward > 1:  # DPO
         ref_calls = -(-reference_rows // (world * rows_per_forward)) if reference_rows else None
         out["reference"] = {"seconds": per_row * rows_per_forward * ref_calls if ref_calls else None,
@@ -538,5 +559,6 @@ def phase_times(*, n_params: int, layers: int, q_dim: int, dtype_bytes: int, wor
                     "per_token_s": token, "prompts": samples, "new_tokens": new_tokens},
         "save": {"seconds": save_s},
         "resume": {"seconds": checkpoint_bytes / F("storage_read")},
-        "finalize": {"seconds": model_bytes / F("storage_read") + probe_tokens * 2 * n_params / F("cpu_fp16_flops")},
+        "finalize": {"seconds": model_bytes / F("storage_read") + probe_tokens * 2 * model.n_params
+                     / F("cpu_fp16_flops")},
     }
