@@ -315,6 +315,33 @@ def test_a_reward_that_raises_in_the_workers_stops_the_run_in_one_line_with_exit
 
 # ---- the plan ------------------------------------------------------------------------------------------------------
 
+def test_fp16_starts_grpo_with_the_headroom_its_advantages_leave():
+    """ds_config.micro_step_weight for GRPO: a micro-step weighs mean |A| / GA on its completion tokens'
+    log-probs; scaled advantages' mean |A| is at most sqrt((G - 1) / G) (measured here on random rewards), so
+    the initial scale is SFT's; Dr. GRPO's unscaled advantages on [0, 1] rewards weigh at most 1/2: one power more."""
+    import math
+
+    import torch
+
+    from zerotune.config import load_recipe
+    from zerotune.ds_config import loss_scale, micro_step_weight
+    from zerotune.rl.rewards import group_advantages
+
+    torch.manual_seed(0)
+    for g in (2, 8, 16):
+        for rewards in (torch.rand(64, g).round(), torch.rand(64, g)):  # 0/1 rewards (the scorers'), partial credit
+            a, _ = group_advantages(rewards.flatten(), g, scale=True)
+            spread = rewards.std(dim=1) > 0
+            assert a.view(64, g)[spread].abs().mean() <= math.sqrt((g - 1) / g) + 1e-6
+            assert group_advantages(rewards.flatten(), g, scale=False)[0].abs().mean() <= 0.5
+    r = load_recipe("llama8b_grpo_zero3")  # Dr. GRPO: scale_rewards false
+    assert micro_step_weight(r, 8) == 0.5 / 8 and loss_scale(8, 100, 0.5 / 8)[0] == loss_scale(8, 100)[0] + 1
+    scaled = load_recipe("llama8b_grpo_zero3", ["rl.scale_rewards=true"])
+    assert micro_step_weight(scaled, 8) == pytest.approx(math.sqrt(7 / 8) / 8)
+    assert loss_scale(8, 100, micro_step_weight(scaled, 8))[0] == loss_scale(8, 100)[0]
+
+
+
 def test_the_8b_grpo_recipe_fits_every_phase_of_a_v100_node_and_states_its_rollout_time():
     """llama8b_grpo_zero3 on one node of 8 x V100-32GB: every phase fits; the training step takes the fused loss
     (no 8 x 1,024 x 128,256 logits); the rollout phase holds a micro-step's 8 rows of KV cache beside the states and

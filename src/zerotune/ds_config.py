@@ -45,7 +45,16 @@ def micro_step_weight(r: Recipe, grad_accum: int, label_tokens_per_row: float | 
     weighs beta x sigma(-z) / (pairs x GA), sigma = DPO_START_SIGMOID at the start; the micro-batch holds
     2 x pairs x label_tokens_per_row of them: beta x sigma x 2 x label_tokens_per_row / GA. The NLL term
     (preference.nll_alpha, a mean over the chosen tokens: nll_alpha / (pairs x labels x GA) each, on the same
-    2 x pairs x labels tokens) adds 2 x nll_alpha / GA."""
+    2 x pairs x labels tokens) adds 2 x nll_alpha / GA.
+    GRPO (rl/loss.py, Liger's formula): a completion token's log-probability weighs |A| / (rows x its completion's
+    tokens x GA) (`grpo`; `dr_grpo`: / (rows x max_new_tokens x GA), no more): over the micro-batch, mean |A| / GA.
+    Scaled advantages ((r - mean) / unbiased std) have mean A^2 = (G - 1) / G in every group with spread, so mean |A|
+    <= sqrt((G - 1) / G) < 1: SFT's headroom. Unscaled (Dr. GRPO) |A| is the reward's spread: for rewards in [0, 1]
+    (every scorer) mean |A| <= 1/2. A user's reward on a wider range overflows the first steps, and DeepSpeed's
+    dynamic scale halves down to it."""
+    if r.grpo:
+        g = r.rl.group_size
+        return (math.sqrt((g - 1) / g) if r.rl.scale_rewards else 0.5) / grad_accum
     if not r.pairs:
         return 1 / grad_accum
     labels = label_tokens_per_row or ASSUMED_LABEL_TOKENS_PER_ROW
