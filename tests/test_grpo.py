@@ -35,13 +35,15 @@ def _grid(labels):
     return pos, mask
 
 
-@pytest.mark.parametrize("loss_type,temperature,off_policy", [("grpo", 1.0, False), ("dr_grpo", 1.0, False),
-                                                              ("grpo", 0.7, True), ("grpo", 0.7, False), ("grpo", 1.0, True)])
-def test_fused_grpo_loss_equals_ligers_fused_loss_and_the_formula(loss_type, temperature, off_policy):
+@pytest.mark.parametrize("loss_type,temperature,off_policy,beta", [
+    ("grpo", 1.0, False, 0.0), ("dr_grpo", 1.0, False, 0.0), ("grpo", 0.7, True, 0.0), ("grpo", 0.7, False, 0.0),
+    ("grpo", 1.0, True, 0.0), ("grpo", 1.0, False, 0.04), ("dr_grpo", 0.7, True, 0.1)])
+def test_fused_grpo_loss_equals_ligers_fused_loss_and_the_formula(loss_type, temperature, off_policy, beta):
     """zerotune's fused GRPO loss (3 label tokens' logits at a time, gradients in forward) against (1) the formula
-    written out on the full logits (log_softmax / temperature, the clipped ratio, each normalisation) and (2) Liger's
-    LigerFusedLinearGRPOLoss on the same hidden states: the loss and every parameter's gradient. off_policy: the
-    rollout policy's log-probs differ from the policy's by up to +-0.5, so some ratios clip."""
+    written out on the full logits (log_softmax / temperature, the clipped ratio, the KL's k3 estimator, each
+    normalisation) and (2) Liger's LigerFusedLinearGRPOLoss on the same hidden states: the loss, the KL and every
+    parameter's gradient. off_policy: the rollout policy's log-probs differ from the policy's by up to +-0.5, so some
+    ratios clip; beta > 0: the starting model's log-probs differ from the policy's by up to +-0.3."""
     import torch
 
     from zerotune.rl.loss import attach, grpo_loss_fn
@@ -58,12 +60,22 @@ def test_fused_grpo_loss_equals_ligers_fused_loss_and_the_formula(loss_type, tem
         old_grid = lp.gather(1, pos) + noise.gather(1, pos)
         old = old_grid[mask.bool()]  # flat, row by row: label_positions' order
 
-    def loss_fn_of(rows, n_rows, a):
-        return grpo_loss_fn(rows, n_rows, a, loss_type=loss_type, epsilon=eps, max_new_tokens=max_new, old_logps=old)
+    ref = ref_grid = None
+    if beta:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / temperature, -1)
+            lp = lp.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+        noise = 0.6 * (torch.rand(lp.shape, generator=torch.Generator().manual_seed(3)) - 0.5)
+        ref_grid = lp.gather(1, pos) + noise.gather(1, pos)
+        ref = ref_grid[mask.bool()]
+
+    def loss_fn_of(rows, n_rows, a, ref_logps=None):
+        return grpo_loss_fn(rows, n_rows, a, loss_type=loss_type, epsilon=eps, max_new_tokens=max_new, old_logps=old,
+                            ref_logps=ref_logps, beta=beta)
 
     attach(model, loss_fn_of, chunk=3, temperature=temperature)
     out = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).repeat(4, 1), labels=labels,
-                grpo_advantages=adv)
+                grpo_advantages=adv, **({"grpo_ref_logps": ref} if beta else {}))
     out["loss"].backward()
     fused = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -73,6 +85,13 @@ def test_fused_grpo_loss_equals_ligers_fused_loss_and_the_formula(loss_type, tem
     P = lp.gather(-1, labels[:, 1:].clamp(min=0)[..., None])[..., 0].gather(1, pos)
     ratio = torch.exp(P - (P.detach() if old is None else old_grid))
     per_token = -torch.min(ratio * adv[:, None], ratio.clamp(1 - eps, 1 + eps) * adv[:, None])
+    if beta:
+        kl = torch.exp(ref_grid - P) - (ref_grid - P) - 1
+        per_token = per_token + beta * kl
+        assert out["kl"].item() == pytest.approx(float((kl * mask).sum() / mask.sum()), rel=1e-5)
+        assert out["kl"].item() > 1e-3
+    else:
+        assert "kl" not in out
     want = (((per_token * mask).sum(-1) / mask.sum(-1)).mean() if loss_type == "grpo" else
             (per_token * mask).sum() / (4 * max_new))
     want.backward()
@@ -90,11 +109,12 @@ def test_fused_grpo_loss_equals_ligers_fused_loss_and_the_formula(loss_type, tem
 
     hidden = model.model(input_ids=ids).last_hidden_state
     h = hidden.gather(1, pos[..., None].expand(-1, -1, hidden.shape[-1]))
-    liger = LigerFusedLinearGRPOLoss(beta=0.0, compiled=False, use_ref_model=False, chunk_size=4,
+    liger = LigerFusedLinearGRPOLoss(beta=beta, compiled=False, use_ref_model=bool(beta), chunk_size=4,
                                      epsilon_low=eps, epsilon_high=eps, loss_type=loss_type,
                                      max_completion_length=max_new, temperature=temperature)
     targets = labels[:, 1:].clamp(min=0).gather(1, pos)
-    loss, _ = liger(h, model.lm_head.weight, targets, mask, adv, old_per_token_logps=None if old is None else old_grid)
+    loss, _ = liger(h, model.lm_head.weight, targets, mask, adv, old_per_token_logps=None if old is None else old_grid,
+                    ref_per_token_logps=ref_grid)
     loss.backward()
     assert out["loss"].item() == pytest.approx(loss.item(), rel=1e-4)  # Liger: an online logsumexp over vocab chunks
     for name, p in model.named_parameters():
@@ -166,7 +186,6 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tokenizer_dir):
 
     chats = [{"path": "data/tiny/train.jsonl", "format": "messages"}]
     cases = [({"packing": True}, {}, "prompts are not packed"),
-             ({}, {"beta": 0.04}, "set rl.beta: 0"),
              ({}, {"reward": "bad path!"}, "neither a scorer"),
              ({"seq_len": 64}, {"max_new_tokens": 64}, "leaves no room for a prompt"),
              ({}, {"group_size": 1}, "rl.group_size=1: must be >= 2"),
@@ -382,3 +401,31 @@ def test_the_8b_grpo_recipe_fits_every_phase_of_a_v100_node_and_states_its_rollo
     assert rows[4].terms.rollout == pytest.approx(four.time.terms.rollout)
     assert rows[4].speedup > 4  # more than the GPUs: the gathers per sampled token are gone
     assert not compute_plan(load_recipe("llama8b_zero3")).time.terms.rollout
+
+
+def test_the_kl_terms_reference_copy_is_planned_on_every_gpu_and_refused_where_it_does_not_fit():
+    """rl.beta > 0 keeps the starting model whole on every GPU (rl/objective.py replicated_model): the plan counts it
+    in every phase the training process holds it (train step, rollout, validation, samples, save, resume) and plans
+    its forward of each micro-step's rollouts (the `reference` phase, and its seconds in the rollout term). At 8B on
+    a V100 node its 15 GiB do not fit beside full fine-tuning's states: the plan says so and that rl.beta=0 fits."""
+    from zerotune.config import load_recipe
+    from zerotune.planner.compute import compute_plan
+    from zerotune.planner.memory import REFERENCE_COPY, GiB
+    from zerotune.planner.report import format_plan
+
+    without = compute_plan(load_recipe("llama8b_grpo_zero3"))
+    p = compute_plan(load_recipe("llama8b_grpo_zero3", ["rl.beta=0.04"]))
+    copy = 2 * p.model.n_params
+    held = {"train_step", "rollout", "reference", "validation", "samples", "save", "resume"}
+    assert {n for n, ph in p.phases.items() if ph.parts.get(REFERENCE_COPY) == copy} == held
+    assert without.phases.reference is None and REFERENCE_COPY not in without.memory.parts
+    assert p.memory.peak_bytes - without.memory.peak_bytes >= copy and not p.recipe_batch.fits
+    ro = p.phases.rollout.time
+    assert 0 < ro.reference_s < ro.per_micro_step_s / 10  # a no-grad forward of the rows: small beside sampling
+    text = format_plan(p)
+    assert "nothing fits. Try: rl.beta=0: 29.0 GiB (fits)" in text
+    assert all(o.sequence_parallel == 1 for o in p.options)  # GRPO refuses sequence parallelism: never offered
+
+    tiny = compute_plan(load_recipe("tiny_grpo", ["rl.beta=0.04"]))
+    assert tiny.recipe_batch.fits and tiny.memory.parts[REFERENCE_COPY] == 4 * tiny.model.n_params  # fp32 on CPU
+    assert tiny.phases.reference.fits and tiny.phases.reference.peak_bytes < 2 * GiB

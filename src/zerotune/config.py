@@ -149,7 +149,7 @@ class RlCfg:
     on_reward_error: Literal["stop", "skip"] = _f("stop", "A reward that raises, times out or returns a non-number: stop = the run stops with one line naming the function and the prompt; skip = the prompt's group is left out of the step (no gradient from it) and counted in the log")
     scale_rewards: bool = _f(True, "Advantages = (reward - group mean) / (group std + 1e-4), as GRPO; false = reward - group mean, Dr. GRPO's unbiased estimate")
     loss: Literal[GRPO_LOSSES] = _f("grpo", "Token normalisation: grpo = each completion's mean over its tokens, then the mean over completions; dr_grpo = the sum over all tokens / (completions x max_new_tokens) (Dr. GRPO: no length bias)")
-    beta: float = _f(0.0, "Weight of the KL to the starting model (k3 estimator per token); 0 = none, and no reference pass", NON_NEGATIVE)
+    beta: float = _f(0.0, "Weight of the KL to the starting model (k3 estimator per token, added to each completion token's loss); > 0 keeps a frozen copy of the starting model on every GPU (`make plan` says whether it fits) and runs it on every micro-batch's rollouts; 0 = none", NON_NEGATIVE)
     epsilon: float = _f(0.2, "Clip range of the ratio to the rollout policy: [1 - epsilon, 1 + epsilon]", POSITIVE)
     max_new_tokens: int = _f(64, "Longest completion a rollout samples; the prompt and its completion must fit in data.seq_len", AT_LEAST_1)
     temperature: float = _f(1.0, "Sampling temperature of the rollouts; the policy's log-probs are of the same tempered distribution", POSITIVE)
@@ -490,10 +490,6 @@ def _validate_rl(r: Recipe, where: str) -> None:
                           f"run DPO first as its own recipe and start GRPO from its model (model.name_or_path).")
     _objective_rules(r, where, "rl.method=grpo", "prompts are not packed (each is answered group_size times)",
                      "learns from rewards only")
-    if rl.beta > 0:
-        raise RecipeError(f"{where}: rl.beta={rl.beta}: the KL to the starting model needs its log-probs for every new "
-                          f"rollout (a reference pass per step), which zerotune's GRPO does not compute yet; set "
-                          f"rl.beta: 0 (the clipped ratio alone keeps each step near the rollout policy).")
     if r.train.sequence_parallel > 1:
         raise RecipeError(f"{where}: train.sequence_parallel={r.train.sequence_parallel} with rl.method=grpo: "
                           f"rollouts are generated whole on each rank; set train.sequence_parallel: 1.")

@@ -323,7 +323,9 @@ class StepMetrics(TrainerCallback):
                          f"{row['rl/zero_std_groups']:.0%}"
                          + (f", skipped {row['rl/skipped_groups']:.0f}" if "rl/skipped_groups" in row else "")
                          + f", completions {row['rl/completion_tokens']:.1f} tok ({row['rl/truncated']:.0%} cut), "
-                           f"clipped {row['rl/clip_fraction']:.1%}, rollout {row['rl/rollout_s']:.1f}s")
+                           f"clipped {row['rl/clip_fraction']:.1%}"
+                         + (f", KL {row['rl/kl']:.2e}" if "rl/kl" in row else "")
+                         + f", rollout {row['rl/rollout_s']:.1f}s")
         if "learning_rate" in row:
             parts.append(f"lr {row['learning_rate']:.2e}")
         if row.get("tokens_per_s"):

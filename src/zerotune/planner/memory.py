@@ -391,6 +391,7 @@ _LORA_DIMS = {  # (in, out) of each decoder linear (the same names in every fami
     "gate_proj": lambda m: (m.hidden, m.intermediate), "up_proj": lambda m: (m.hidden, m.intermediate),
     "down_proj": lambda m: (m.intermediate, m.hidden),
 }
+REFERENCE_COPY = "reference copy (GRPO's KL: 16-bit, whole)"
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4-bit codes + double-quantized absmax (8-bit per 64, fp32 per 256 blocks)
 
 
@@ -499,13 +500,15 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
                      gpu_is_cuda: bool = True, peft: tuple[str, int] | None = None,
                      capability: tuple[int, int] | None = None, lm_head_trainable: bool | None = None,
                      grad_accum_bytes: int | None = None, grad_accum: int = 1,
-                     preference_chunk: int | None = None, sequence_parallel: int = 1) -> dict:
+                     preference_chunk: int | None = None, sequence_parallel: int = 1,
+                     reference_copy: int = 0) -> dict:
     """Ordered {component: bytes} per GPU plus the peak (their sum) and notes. capability: the target GPU's
     (Liger's fused CE takes a costlier path below sm80); lm_head_trainable: default full fine-tuning only;
     grad_accum_bytes: DeepSpeed's gradient accumulation dtype (data_types.grad_accum_dtype; default: the
     model's); grad_accum: micro-batches per optimizer step (all of them sit on the GPU together:
     prefetched_batches_bytes); preference_chunk: DPO (preference.chunk_tokens): micro counts rows (2 per pair), and
-    the loss is the fused DPO loss (preference_loss_bytes) instead of cross entropy.
+    the loss is the fused DPO loss (preference_loss_bytes) instead of cross entropy. reference_copy: GRPO with a KL
+    term (rl.beta > 0): the starting model's frozen copy, whole on every GPU (rl/objective.py replicated_model).
 
     sequence_parallel: N ranks share each row (train/sequence_parallel.py). Every per-token term is this rank's
     seq / N tokens: the layer inputs, the recompute, the logits and the batches. Attention runs on all seq tokens
@@ -530,6 +533,8 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
     act = activation_bytes(m, micro, seq, e, attention, checkpointing, packing, liger, padded=padded, residual_bytes=res,
                            fused_loss=preference_chunk is not None)
     parts = {"model states (DeepSpeed estimator)": states}
+    if reference_copy:
+        parts[REFERENCE_COPY] = reference_copy
     buffers = deepspeed_buffers(m, zero, world, e)
     parts.update(buffers)
     if checkpointing:
@@ -566,7 +571,8 @@ def memory_breakdown(m: ModelShape, *, seq: int, micro: int, precision: str, att
         # layer in reverse): only what exceeds those raises the peak beyond the one-layer recompute
         parts["sm70 attention backward (beyond MLP)"] = max(0, sm70 - act["per_layer"]["mlp"])
     # Freed before the two transients below: activations, the mask and the logits (not the micro-batches).
-    transient = sum(parts.values()) - states - sum(buffers.values()) - parts["GA micro-batches (prefetched)"]
+    transient = (sum(parts.values()) - states - reference_copy - sum(buffers.values())
+                 - parts["GA micro-batches (prefetched)"])
     # The offload hand-off happens at the end of backward, after every activation and the logits are freed:
     # only what exceeds them raises the peak.
     handoff = offload_handoff_bytes(m, zero, world, grad_accum_bytes or e)

@@ -16,8 +16,11 @@ RECOMMEND_GAIN = 0.05  # a recommendation other than the recipe's own must save 
 
 def sequence_parallel_choices(t: Target) -> tuple[int, ...]:
     """The sequence-parallel degrees this model and node allow: divisors of the node's GPUs (a row's ranks stay in
-    one node) that split the heads as DeepSpeed's Ulysses needs (config.check_sequence_parallel_heads)."""
+    one node) that split the heads as DeepSpeed's Ulysses needs (config.check_sequence_parallel_heads). None but 1
+    for DPO and GRPO (config.py refuses them: a pair's rows and a rollout are whole on each rank)."""
     m = t.shape
+    if t.r.pairs or t.r.grpo:
+        return (1,)
     return tuple(n for n in range(1, t.gpus_per_node + 1) if t.gpus_per_node % n == 0 and m.heads % n == 0
                  and (m.kv_heads % n == 0 or n % m.kv_heads == 0))
 
@@ -94,6 +97,9 @@ def suggestions(t: Target) -> tuple[Suggestion, ...]:
     def tried(override: str | None, peak: int, slower: bool = False, gpus: int | None = None) -> Suggestion:
         return Suggestion(override=override, peak_bytes=peak, fits=peak <= t.capacity, slower=slower, gpus=gpus)
 
+    if t.reference_copy:
+        r = dataclasses.replace(t.r, rl=dataclasses.replace(t.r.rl, beta=0.0))
+        out.append(tried("rl.beta=0", dataclasses.replace(t, r=r).memory(seq, rows)["peak"]))
     if not t.choice.liger and t.on_gpu:
         out.append(tried("train.liger=on", t.memory(seq, rows, choice=dataclasses.replace(t.choice, liger=True))["peak"]))
     if t.zero_stage == 3 and not t.zero.get("offload_optimizer"):

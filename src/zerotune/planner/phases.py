@@ -31,6 +31,7 @@ from ..quant_types import QUANT_TYPES
 from . import calibration
 from .finalize_ram import INTERPRETER_BYTES, finalize_host_bytes
 from .memory import (
+    REFERENCE_COPY,
     GiB,
     ModelShape,
     attention_has_mask,
@@ -232,7 +233,7 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
                grad_accum: int, trainable: int, peft: tuple[str, int] | None, gpu_capacity: int,
                host_capacity: int, validation_runs: bool, samples: int, max_new_tokens: int,
                quant_type: str, preference_chunk: int | None = None,
-               rollout: tuple[int, int, int] | None = None) -> Phases:
+               rollout: tuple[int, int, int] | None = None, rollout_chunk: int | None = None) -> Phases:
     """Every phase's peak for one training job.
     `train` is memory.memory_breakdown's result for the recipe's own seq_len and micro-batch. preference_chunk: a DPO
     job (micro counts rows, 2 per pair): validation and the reference pass forward a micro-batch's padded rows with
@@ -243,6 +244,9 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     ds = deepspeed_buffers(m, zero, world, e)
     batches = prefetched_batches_bytes(micro, seq, grad_accum)
     resident = {MODEL_STATES: states}
+    ref_copy = train["parts"].get(REFERENCE_COPY, 0)  # GRPO's KL: loaded with the model, resident until the end
+    if ref_copy:
+        resident[REFERENCE_COPY] = ref_copy
     if "reduce bucket" in ds:
         resident["reduce bucket"] = ds["reduce bucket"]
     resident["GA micro-batches (still bound)"] = batches
@@ -299,6 +303,18 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
             {**resident, **gathering, **gen}, gpu_capacity, world, on_gpu,
             f"GRPO rollouts: {n} completions per micro-step, prompt <= {prompt:,} + {new} sampled tokens, KV cache",
             "lower train.micro_batch_size, rl.group_size or rl.max_new_tokens")
+        if ref_copy:
+            # the KL's reference pass (rl/objective.py reference_logps): the copy forwards the micro-batch's rows
+            # (prompt + completion, right-padded, no mask), no grad, per-token log-probs chunked (no vocab logits)
+            T = n * seq
+            c = min(rollout_chunk or T, T)
+            fused = (e * T * m.hidden + 8 * c * m.vocab + 4 * T, f"fused per-token log-probs: {c:,}-token fp32 logits chunk")
+            out["reference"] = gpu_phase(
+                {**resident, "rollout rows (input_ids, labels, position_ids)": 3 * 8 * T,
+                 **nograd_forward_parts(m, T, e, mask=None, liger=liger, on_gpu=on_gpu, loss=fused, repeat_kv=docs)},
+                gpu_capacity, world, on_gpu,
+                f"GRPO's KL: the starting model's copy forwards each micro-step's {n} x {seq:,}-token rows, no grad",
+                "set rl.beta: 0 (no reference copy), lower train.micro_batch_size or rl.group_size, or add GPUs")
 
     # samples: generate() greedy with a DynamicCache, one prompt at a time (generation_parts). The prompt's length is
     # unknown before the tokenizer runs: bounded by data.seq_len (held-out prompts are shorter than the training
@@ -346,7 +362,8 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     # to the CPU is the tensor itself). The fp32 master weights are copied in place (stage3.py:3570-3571).
     # Before the first step: no batches.
     copies = 0 if offload else 8 * per_rank
-    res = {MODEL_STATES: states, **({"reduce bucket": ds["reduce bucket"]} if "reduce bucket" in ds else {}),
+    res = {MODEL_STATES: states, **({REFERENCE_COPY: ref_copy} if ref_copy else {}),
+           **({"reduce bucket": ds["reduce bucket"]} if "reduce bucket" in ds else {}),
            "loaded Adam moments beside the live ones": copies}
     out["resume"] = gpu_phase(res, gpu_capacity, world, on_gpu,
                               "load the optimizer shards: Adam moments copied beside the live ones",

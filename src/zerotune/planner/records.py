@@ -116,6 +116,7 @@ class PhaseTime:
     new_tokens: int | None = None
     per_micro_step_s: float | None = None  # rollout: one micro-batch's generate() (seconds: per optimizer step)
     rows: int | None = None                # rollout: completions sampled per micro-step on one rank
+    reference_s: float | None = None       # rollout with GRPO's KL: the copy's forward of them, in per_micro_step_s
 
 
 @dataclass(frozen=True)

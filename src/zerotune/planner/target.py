@@ -126,7 +126,13 @@ class Target:
             grad_accum_bytes=self.accum_bytes, grad_accum=self.grad_accum(seq, rows, gpn * nodes, sp),
             # DPO's and GRPO's fused loss (preference/loss.py FusedTokenLoss): no sequence x vocabulary logits
             preference_chunk=(r.preference.chunk_tokens if r.pairs else r.rl.chunk_tokens if r.grpo else None),
-            sequence_parallel=sp)
+            sequence_parallel=sp, reference_copy=self.reference_copy)
+
+    @property
+    def reference_copy(self) -> int:
+        """GRPO with a KL term: the starting model's frozen copy on every GPU, in the model's dtype (bytes)."""
+        r = self.r
+        return hardware.dtype_bytes(self.choice.precision) * self.shape.n_params if r.grpo and r.rl.beta > 0 else 0
 
     def phases(self, mem: dict, seq: int | None = None, rows: int | None = None) -> Phases:
         """Every phase of the job at `rows` x `seq` (default: the recipe's own batch) on this target (planner/phases.py);
@@ -147,7 +153,7 @@ class Target:
             validation_runs=r.data.eval_fraction > 0, samples=r.eval.samples if sets else 0,
             max_new_tokens=sets[0].max_new_tokens if sets else 0, quant_type=r.quantize.type,
             preference_chunk=r.preference.chunk_tokens if r.pairs else None,
-            rollout=self.rollout_shape(seq, rows) if r.grpo else None))
+            rollout=self.rollout_shape(seq, rows) if r.grpo else None, rollout_chunk=r.rl.chunk_tokens))
 
     def rollout_shape(self, seq: int, rows: int) -> tuple[int, int, int]:
         """A GRPO micro-step's generate(): (rows = micro prompts x G, the prompt bound, the tokens sampled). A prompt
@@ -192,7 +198,8 @@ class Target:
         at = dataclasses.replace(self, nodes=world // self.gpus_per_node)
         once = at.phases(at.memory(seq, rows), seq, rows).rollout.gather_once
         return timemodel.rollout_time(self.forwards(world, cluster), *self.rollout_shape(seq, rows),
-                                      micro_steps=self.grad_accum(seq, rows, world), gather_once=once)
+                                      micro_steps=self.grad_accum(seq, rows, world), gather_once=once,
+                                      reference=self.reference_copy > 0)
 
     def step_time(self, seq: int, rows: int, world: int | None = None, *, hpz: int | None = None,
                   cluster: str | None = None, sp: int | None = None) -> StepTime:

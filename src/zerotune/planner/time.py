@@ -510,16 +510,19 @@ class Model:
         return 0.0, self.forward_s(n * prompt, prompt / 2), self.forward_s(n, span)
 
 
-def rollout_time(model: Model, rows: int, prompt: int, new: int, micro_steps: int, gather_once: bool) -> dict:
+def rollout_time(model: Model, rows: int, prompt: int, new: int, micro_steps: int, gather_once: bool,
+                 reference: bool = False) -> dict:
     """GRPO: before each micro-step's forward, one generate() of its `rows` rows (micro prompts x G), timed as the
     samples' generation with `rows` rows per forward (a decode step reads the weights once for all of them);
     seconds per optimizer step (`micro_steps` of them), per rank (ranks roll out at once). Sampling costs what
     greedy does; every row runs the whole budget (the bound: a finished row's pads still go through the batch's
-    forwards)."""
+    forwards). reference: the KL's pass, the starting model's local copy forwarding the rows (no gathers)."""
     once, prefill, token = model.generation(rows, prompt, new, gather_once)
-    micro = once + prefill + new * token
+    ref = (model.flops(rows * (prompt + new), (prompt + new) / 2) / (model.peak_tflops * 1e12 * model.mfu)
+           if reference else 0.0)
+    micro = once + prefill + new * token + ref
     return {"seconds": micro_steps * micro, "per_micro_step_s": micro, "per_token_s": token, "rows": rows,
-            "new_tokens": new}
+            "new_tokens": new, "reference_s": ref}
 
 
 def phase_times(model: Model, *, seq: int, attention_span: float, eval_rows: int | None,

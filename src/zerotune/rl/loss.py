@@ -42,9 +42,11 @@ def token_grid(rows, n_rows: int):
 
 
 def grpo_loss_fn(rows, n_rows: int, advantages, *, loss_type: str, epsilon: float, max_new_tokens: int,
-                 old_logps=None):
-    """(per-token log-probs of the policy at the label positions) -> (loss, (clip fraction,)): Liger's formula
-    (module docstring). old_logps: the rollout policy's, per token; None = the policy's own, detached."""
+                 old_logps=None, ref_logps=None, beta: float = 0.0):
+    """(per-token log-probs of the policy at the label positions) -> (loss, (clip fraction,) or, with the KL term,
+    (clip fraction, mean KL per token)): Liger's formula (module docstring). old_logps: the rollout policy's, per
+    token; None = the policy's own, detached. ref_logps, beta: the starting model's per-token log-probs and the KL's
+    weight (Liger's k3 estimator exp(ref - logp) - (ref - logp) - 1 per token, added to each token's loss)."""
     from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOFunction
 
     cols, mask = token_grid(rows, n_rows)
@@ -55,17 +57,21 @@ def grpo_loss_fn(rows, n_rows: int, advantages, *, loss_type: str, epsilon: floa
     def fn(x):
         loss, metrics = LigerFusedLinearGRPOFunction.ppo_loss_fn(
             per_token_logps=grid(x), attention_mask=mask, advantages=advantages.float(), full_attention_mask=mask,
+            ref_per_token_logps=None if ref_logps is None else grid(ref_logps.float()),
             old_per_token_logps=None if old_logps is None else grid(old_logps), epsilon_low=epsilon,
-            epsilon_high=epsilon, beta=0.0, loss_type=loss_type, max_completion_length=max_new_tokens)
-        return loss, (metrics[-1],)  # beta 0: the clip fraction alone
+            epsilon_high=epsilon, beta=beta if ref_logps is not None else 0.0, loss_type=loss_type,
+            max_completion_length=max_new_tokens)
+        # Liger's metrics: [KL (with beta), clip fraction]
+        return loss, (metrics[-1], *metrics[:-1])
 
     return fn
 
 
 def rollout_forward(model, input_ids, position_ids, labels, advantages, loss_fn_of, chunk: int,
-                    temperature: float):
-    """The decoder, then GRPO's loss on the completions (advantages: (rows,)), or, advantages None, their per-token
-    log-probs without grad. Runs inside the top module's forward, where ZeRO-3 gathered lm_head's weight."""
+                    temperature: float, ref_logps=None):
+    """The decoder, then GRPO's loss on the completions (advantages: (rows,); ref_logps: the starting model's
+    per-token log-probs where the loss has a KL term), or, advantages None, their per-token log-probs without grad
+    (the reference's pass). Runs inside the top module's forward, where ZeRO-3 gathered lm_head's weight."""
     body = getattr(model, model.base_model_prefix)
     hidden = body(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
     rows, pos, targets = label_positions(labels)
@@ -74,20 +80,20 @@ def rollout_forward(model, input_ids, position_ids, labels, advantages, loss_fn_
     if advantages is None:
         return {"logps": token_logps(hidden[rows, pos].detach(), weight, targets, chunk, softcap, temperature),
                 "rows": rows}
-    loss, logps, clipped = FusedTokenLoss.apply(hidden[rows, pos], weight, targets,
-                                                loss_fn_of(rows, input_ids.shape[0], advantages), chunk, softcap,
-                                                temperature)
-    return {"loss": loss, "logps": logps, "rows": rows, "clip_fraction": clipped}
+    loss, logps, clipped, *kl = FusedTokenLoss.apply(hidden[rows, pos], weight, targets,
+                                                     loss_fn_of(rows, input_ids.shape[0], advantages, ref_logps),
+                                                     chunk, softcap, temperature)
+    return {"loss": loss, "logps": logps, "rows": rows, "clip_fraction": clipped, **({"kl": kl[0]} if kl else {})}
 
 
 def attach(model, loss_fn_of, chunk: int, temperature: float) -> None:
-    """model(..., grpo_advantages=A) returns GRPO's loss on a micro-batch of rollouts; every other call (generate,
-    the save's probe, SFT-style validation) goes to the model's own forward. loss_fn_of(rows, n_rows, A) -> the
-    per-token loss function (grpo_loss_fn with the recipe's settings)."""
-    def route(kw, grpo_advantages=None):
+    """model(..., grpo_advantages=A[, grpo_ref_logps=...]) returns GRPO's loss on a micro-batch of rollouts; every other call (generate,
+    the save's probe, SFT-style validation) goes to the model's own forward. loss_fn_of(rows, n_rows, A, ref_logps)
+    -> the per-token loss function (grpo_loss_fn with the recipe's settings)."""
+    def route(kw, grpo_advantages=None, grpo_ref_logps=None):
         if grpo_advantages is None:
             return None
         return rollout_forward(model, kw["input_ids"], kw.get("position_ids"), kw["labels"], grpo_advantages,
-                               loss_fn_of, chunk, temperature)
+                               loss_fn_of, chunk, temperature, grpo_ref_logps)
 
-    attach_forward(model, {"grpo_advantages": None}, route)
+    attach_forward(model, {"grpo_advantages": None, "grpo_ref_logps": None}, route)

@@ -6,7 +6,9 @@
     trainer_class    GrpoTrainer: per micro-batch, rollouts (G completions per prompt, rollout.py), their rewards
                      and advantages (rewards.py), then the loss on them; the Trainer divides by grad-accum and
                      DeepSpeed averages over ranks: the step's mean over its completions
-    callbacks(...)   none (no reference pass: rl.beta is 0)
+    callbacks(...)   none
+    reference        rl.beta > 0: the starting model, a frozen copy on every rank outside ZeRO (replicated_model),
+                     whose per-token log-probs of each micro-batch's rollouts enter the loss's KL term
     validate         None: validation is SFT's loss on the eval split's reference answers
 
 Nothing else of the Trainer changes: DeepSpeed, the schedule, checkpoints, signals and resume are the Trainer's and
@@ -35,7 +37,7 @@ from .rewards import Rewards, group_advantages
 
 # the sums a rank keeps between two logged steps (record, log_values)
 SUMS = ("completions", "reward", "reward_sq", "groups", "zero_std_groups", "skipped_groups", "completion_tokens",
-        "truncated", "clipped_tokens", "rollout_s")
+        "truncated", "clipped_tokens", "kl_tokens", "rollout_s")
 
 
 def for_recipe(r: Recipe, pad_id: int) -> Objective | None:
@@ -54,6 +56,7 @@ class Objective:
         self.stop = stop_ids(self.tok, local_folder(str(layout(r).base)))
         self.header = _generation_header(self.tok)
         self._sums = None
+        self.reference = None  # attach() loads it where rl.beta > 0
 
     def describe(self) -> str:
         rl = self.rl
@@ -61,8 +64,11 @@ class Objective:
                 + (f", top-p {rl.top_p:g}" if rl.top_p < 1 else "") + f", at most {rl.max_new_tokens} tokens), "
                 f"rewarded by {rl.reward}, advantages "
                 + ("normalised by the group's std" if rl.scale_rewards else "minus the group's mean (Dr. GRPO)")
-                + f"; loss {rl.loss}, clip {rl.epsilon:g}, no KL (beta 0); rolled out on the training ranks, the "
-                  f"loss fused over {rl.chunk_tokens}-token chunks of the completions")
+                + f"; loss {rl.loss}, clip {rl.epsilon:g}, "
+                + (f"KL to the starting model x {rl.beta:g} (a frozen copy on each rank)" if rl.beta > 0 else
+                   "no KL (beta 0)")
+                + f"; rolled out on the training ranks, the loss fused over {rl.chunk_tokens}-token chunks of the "
+                  "completions")
 
     # -- data -----------------------------------------------------------------------------------------------
     def collate(self, rows: list[dict]) -> dict:
@@ -74,11 +80,21 @@ class Objective:
     def attach(self, model) -> None:
         rl = self.rl
 
-        def loss_fn_of(rows, n_rows, advantages):
+        def loss_fn_of(rows, n_rows, advantages, ref_logps=None):
             return lossmod.grpo_loss_fn(rows, n_rows, advantages, loss_type=rl.loss, epsilon=rl.epsilon,
-                                        max_new_tokens=rl.max_new_tokens)
+                                        max_new_tokens=rl.max_new_tokens, ref_logps=ref_logps, beta=rl.beta)
 
         lossmod.attach(model, loss_fn_of, rl.chunk_tokens, rl.temperature)
+        if rl.beta > 0:
+            self.reference = replicated_model(layout(self.r).base, model)
+
+    def reference_logps(self, rows: dict, device):
+        """The starting model's per-token log-probs of a micro-batch's completions (the KL term's), no grad."""
+        if self.reference.device != device:
+            self.reference.to(device)
+        with torch.no_grad():
+            return lossmod.rollout_forward(self.reference, rows["input_ids"], rows["position_ids"], rows["labels"],
+                                           None, None, self.rl.chunk_tokens, self.rl.temperature)["logps"]
 
     @property
     def trainer_class(self):
@@ -113,7 +129,10 @@ class Objective:
         self._add(completions=len(kept), reward=float(kept.sum()), reward_sq=float((kept ** 2).sum()), groups=groups,
                   zero_std_groups=zero_std, skipped_groups=skipped,
                   completion_tokens=sum(len(c) for c in completions), truncated=sum(truncated), rollout_s=seconds)
-        return {**{k: v.to(device) for k, v in batch_rows.items()}, "grpo_advantages": advantages.to(device)}
+        out = {**{k: v.to(device) for k, v in batch_rows.items()}, "grpo_advantages": advantages.to(device)}
+        if self.reference is not None:
+            out["grpo_ref_logps"] = self.reference_logps(out, device)
+        return out
 
     def prompt_text(self, prompt: list[int]) -> str:
         """The conversation a prompt holds, as text for the reward (special tokens and the generation header off)."""
@@ -128,7 +147,8 @@ class Objective:
         self._sums = s if self._sums is None else self._sums + s
 
     def record(self, out) -> None:
-        self._add(clipped_tokens=float(out["clip_fraction"]) * len(out["rows"]))
+        tokens = len(out["rows"])
+        self._add(clipped_tokens=float(out["clip_fraction"]) * tokens, kl_tokens=float(out.get("kl", 0.0)) * tokens)
 
     def log_values(self, device) -> dict:
         """The rollouts' statistics since the last log, over all ranks (every rank logs the same step: a collective)."""
@@ -149,6 +169,8 @@ class Objective:
                "rl/completion_tokens": v["completion_tokens"] / rows, "rl/truncated": v["truncated"] / rows,
                "rl/clip_fraction": v["clipped_tokens"] / max(1.0, v["completion_tokens"]),
                "rl/rollout_s": v["rollout_s"] / world}  # each rank's rollout seconds in the step, averaged
+        if self.rl.beta > 0:
+            out["rl/kl"] = v["kl_tokens"] / max(1.0, v["completion_tokens"])
         if self.rl.on_reward_error == "skip":
             out["rl/skipped_groups"] = v["skipped_groups"]
         return out
@@ -179,6 +201,26 @@ class GrpoTrainer(Trainer):
         if "loss" in logs:  # a training step's log (all ranks call it together)
             logs = {**logs, **self.objective.log_values(self.args.device)}
         super().log(logs, *args, **kw)
+
+
+def replicated_model(path, policy):
+    """The starting model as a frozen copy on this rank, in the policy's dtype and attention: loaded outside ZeRO-3
+    (transformers partitions every from_pretrained while the Trainer's DeepSpeed config is registered: the copy
+    would have no engine to gather it), so each rank holds it whole (the plan counts it: planner/phases.py)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    registered = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=policy.dtype,
+                                                     attn_implementation=policy.config._attn_implementation)
+    finally:
+        if registered is not None:
+            hf_deepspeed.set_hf_deepspeed_config(registered)
+    model.config.use_cache = False
+    return model.eval().requires_grad_(False)
 
 
 def _generation_header(tok) -> list[int]:
