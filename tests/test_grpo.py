@@ -254,7 +254,8 @@ def test_rollouts_are_seeded_per_step_and_rank_and_leave_the_trainers_rng_alone(
 
 # ---- the run -------------------------------------------------------------------------------------------------------
 
-GRPO_COMMON = ["train.max_steps=4", "train.logging_steps=1"]
+# with the KL to the starting model: its copy on each rank is part of what a resumed run must rebuild exactly
+GRPO_COMMON = ["train.max_steps=4", "train.logging_steps=1", "rl.beta=0.04"]
 
 
 @pytest.mark.integration
@@ -262,7 +263,9 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     """tiny_grpo on 2 ZeRO-3 CPU ranks: an uninterrupted 4-step run whose rollouts gather the model per layer per
     token (the fault that finds no room for the whole model, as at 8B on a full node) against a run stopped after
     step 1 by a deadline already passed (checkpoint-1 committed) and resumed, whose rollouts gather it once: every
-    step's rollouts, rewards, loss and gradient norm equal. The log says what GRPO reports per step."""
+    step's rollouts, rewards, KL, loss and gradient norm equal. With rl.beta > 0 each rank holds the starting model
+    whole beside its ZeRO-3 shard (loaded outside ZeRO) and forwards every rollout with it: the KL is 0 at step 1
+    (the policy is the start) and grows after. The log says what GRPO reports per step."""
     import os
     import shutil
     import subprocess
@@ -283,6 +286,9 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     assert "(4 prompts, 16 completions per optimizer step)" in log and "GRPO: 4 completions per prompt" in log
     assert "reward 0." in log and "groups without spread" in log and "Traceback" not in log
     assert "rollouts' mean reward" in log  # the run's summary: what moved (GRPO's loss is ~0 by construction)
+    assert "KL to the starting model x 0.04 (a frozen copy on each rank)" in log and ", KL " in log
+    kl = [x["rl/kl"] for x in read_metrics(ref)]
+    assert kl[0] < 1e-9 and min(kl[1:]) > 1e-6, kl  # the copy is the policy's start, whole on every rank
     for part in ("data", "base"):
         shutil.copytree(ref / part, run / part)
 
@@ -299,7 +305,7 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     a, b = read_metrics(ref), read_metrics(run)
     assert [x["step"] for x in b] == [1, 2, 3, 4], "every step exactly once"
     for x, y in zip(a, b):
-        for key in ("rl/reward", "rl/reward_std", "rl/completion_tokens", "rl/zero_std_groups"):
+        for key in ("rl/reward", "rl/reward_std", "rl/completion_tokens", "rl/zero_std_groups", "rl/kl"):
             assert y[key] == pytest.approx(x[key], abs=1e-9), (key, x, y)
         assert y["loss"] == pytest.approx(x["loss"], abs=1e-7), (x, y)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
