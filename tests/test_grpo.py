@@ -190,12 +190,13 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tokenizer_dir):
              ({"seq_len": 64}, {"max_new_tokens": 64}, "leaves no room for a prompt"),
              ({}, {"group_size": 1}, "rl.group_size=1: must be >= 2"),
              ({}, {"loss": "dapo"}, "rl.loss")]
-    cases.append(({}, {}, "peft.method=lora is not supported yet"))
+    cases.append(({}, {}, "peft.method=qlora is not supported yet (tested: full fine-tuning and peft.method: lora)"))
     for data, rl, says in cases:
         raw = {"name": "t", "model": {"init_config": "configs/models/tiny_llama31.json", "tokenizer": str(tokenizer_dir)},
                "data": {"sources": chats, "packing": False, "seq_len": 128, **data}, "rl": {"method": "grpo", **rl}}
         if "peft" in says:
-            raw["peft"] = {"method": "lora"}
+            raw["peft"] = {"method": "qlora"}
+            raw["train"] = {"deepspeed": None}
         with pytest.raises(RecipeError) as e:
             from_dict(raw)
         assert says in str(e.value), (says, str(e.value))
@@ -311,6 +312,30 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
     assert len({x["rl/reward"] for x in a}) > 1 and all(x["grad_norm"] > 0 for x in a), "rollouts that teach"
     assert shm_buffers() <= before, "three runs (one stopped) left no 64 MiB shared-memory buffer behind"
+
+
+@pytest.mark.integration
+@pytest.mark.extended  # ~1 min; CI: LoRA under ZeRO-3 (test_peft.py), the KL's formula and its copy's resume (this file)
+def test_lora_grpo_under_zero3_takes_its_kl_to_the_base_with_the_adapters_off(tmp_path):
+    """tiny_grpo with LoRA on q and v, rl.beta 0.04, on 2 ZeRO-3 CPU ranks: the KL's reference is the policy with its
+    adapters off (no copy), so the KL is 0 at step 1 (LoRA's B starts at 0) and > 0 once the adapters moved; the
+    published model is the base with merged adapters: only the adapted weights differ from it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from conftest import _zt, read_metrics
+
+    out = tmp_path / "run"
+    _zt("data", "tiny_grpo", f"output_dir={out}")
+    log = _zt("finetune", "tiny_grpo", f"output_dir={out}", "train.max_steps=3", "train.logging_steps=1",
+              "rl.beta=0.04", "peft.method=lora", "peft.r=8", "peft.alpha=16", "peft.target_modules=[q_proj, v_proj]",
+              "train.lr=1e-2")
+    assert "KL to the starting model x 0.04 (the base with the adapters off)" in log and "Traceback" not in log
+    kl = [x["rl/kl"] for x in read_metrics(out)]
+    assert kl[0] == 0 and min(kl[1:]) > 1e-4, kl
+    base, model = (load_file(str(next((out / d).glob("*.safetensors")))) for d in ("base", "model"))
+    changed = {k for k in base if not torch.equal(base[k], model[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), sorted(changed)[:5]
 
 
 @pytest.mark.integration
@@ -435,3 +460,22 @@ def test_the_kl_terms_reference_copy_is_planned_on_every_gpu_and_refused_where_i
     tiny = compute_plan(load_recipe("tiny_grpo", ["rl.beta=0.04"]))
     assert tiny.recipe_batch.fits and tiny.memory.parts[REFERENCE_COPY] == 4 * tiny.model.n_params  # fp32 on CPU
     assert tiny.phases.reference.fits and tiny.phases.reference.peak_bytes < 2 * GiB
+
+
+def test_the_lora_8b_grpo_recipe_gathers_once_and_its_kl_reference_is_the_base_itself():
+    """llama8b_grpo_lora_zero3: LoRA's states leave every rank room to gather the whole model once per generate(),
+    and the KL's reference is the policy with its adapters off: no copy, its forward gathered as any ZeRO-3 forward.
+    Every phase fits one V100 node and the step is a third of full fine-tuning GRPO's (llama8b_grpo_zero3)."""
+    from zerotune.config import load_recipe
+    from zerotune.planner.compute import compute_plan
+    from zerotune.planner.memory import REFERENCE_COPY
+
+    p = compute_plan(load_recipe("llama8b_grpo_lora_zero3"))
+    full = compute_plan(load_recipe("llama8b_grpo_zero3"))
+    assert p.recipe_batch.fits and all(ph.fits for _, ph in p.phases.items() if ph.runs)
+    assert p.phases.rollout.gather_once and not full.phases.rollout.gather_once
+    ref = p.phases.reference
+    assert "adapters off" in ref.what and all(REFERENCE_COPY not in ph.parts for _, ph in p.phases.items())
+    assert "live gathered params" in ref.parts or "prefetch bucket" in ref.parts  # a ZeRO-3 forward
+    assert p.phases.rollout.time.reference_s > 0 and p.time.terms.rollout < full.time.terms.rollout / 4
+    assert p.time.seconds_per_step < full.time.seconds_per_step / 3

@@ -149,7 +149,7 @@ class RlCfg:
     on_reward_error: Literal["stop", "skip"] = _f("stop", "A reward that raises, times out or returns a non-number: stop = the run stops with one line naming the function and the prompt; skip = the prompt's group is left out of the step (no gradient from it) and counted in the log")
     scale_rewards: bool = _f(True, "Advantages = (reward - group mean) / (group std + 1e-4), as GRPO; false = reward - group mean, Dr. GRPO's unbiased estimate")
     loss: Literal[GRPO_LOSSES] = _f("grpo", "Token normalisation: grpo = each completion's mean over its tokens, then the mean over completions; dr_grpo = the sum over all tokens / (completions x max_new_tokens) (Dr. GRPO: no length bias)")
-    beta: float = _f(0.0, "Weight of the KL to the starting model (k3 estimator per token, added to each completion token's loss); > 0 keeps a frozen copy of the starting model on every GPU (`make plan` says whether it fits) and runs it on every micro-batch's rollouts; 0 = none", NON_NEGATIVE)
+    beta: float = _f(0.0, "Weight of the KL to the starting model (k3 estimator per token, added to each completion token's loss); > 0 runs the starting model on every micro-batch's rollouts: with LoRA the base with the adapters off, else a frozen copy on every GPU (`make plan` says whether it fits); 0 = none", NON_NEGATIVE)
     epsilon: float = _f(0.2, "Clip range of the ratio to the rollout policy: [1 - epsilon, 1 + epsilon]", POSITIVE)
     max_new_tokens: int = _f(64, "Longest completion a rollout samples; the prompt and its completion must fit in data.seq_len", AT_LEAST_1)
     temperature: float = _f(1.0, "Sampling temperature of the rollouts; the policy's log-probs are of the same tempered distribution", POSITIVE)
@@ -468,16 +468,19 @@ def check_sequence_parallel_heads(r: Recipe, heads: int, kv_heads: int) -> None:
                           + (" or ".join(map(str, ok)) if ok else "1 (no divisor works)") + ".")
 
 
-def _objective_rules(r: Recipe, where: str, objective: str, unpacked: str, trains_on: str) -> None:
-    """What DPO and GRPO both need from the data and the model: unpacked rows, no replay, full fine-tuning."""
+def _objective_rules(r: Recipe, where: str, objective: str, unpacked: str, trains_on: str,
+                     peft_tested: tuple[str, ...] = ()) -> None:
+    """What DPO and GRPO both need from the data and the model: unpacked rows, no replay, and full fine-tuning or the
+    adapters their tests cover (peft_tested)."""
     if r.data.packing:
         raise RecipeError(f"{where}: {objective}: {unpacked}; set data.packing: false.")
     if r.data.replay is not None:
         raise RecipeError(f"{where}: data.replay mixes supervised conversations into training, and {objective} "
                           f"{trains_on}; set data.replay: null.")
-    if r.peft.method != "none":
+    if r.peft.method != "none" and r.peft.method not in peft_tested:
+        tested = " and ".join(("full fine-tuning", *(f"peft.method: {m}" for m in peft_tested)))
         raise RecipeError(f"{where}: {objective} with peft.method={r.peft.method} is not supported yet (tested: "
-                          f"full fine-tuning); set peft.method: none.")
+                          f"{tested}); set peft.method: " + " or ".join(("none", *peft_tested)) + ".")
 
 
 def _validate_rl(r: Recipe, where: str) -> None:
@@ -489,7 +492,7 @@ def _validate_rl(r: Recipe, where: str) -> None:
         raise RecipeError(f"{where}: rl.method=grpo and preference.method={r.preference.method} are two objectives; "
                           f"run DPO first as its own recipe and start GRPO from its model (model.name_or_path).")
     _objective_rules(r, where, "rl.method=grpo", "prompts are not packed (each is answered group_size times)",
-                     "learns from rewards only")
+                     "learns from rewards only", peft_tested=("lora",))
     if r.train.sequence_parallel > 1:
         raise RecipeError(f"{where}: train.sequence_parallel={r.train.sequence_parallel} with rl.method=grpo: "
                           f"rollouts are generated whole on each rank; set train.sequence_parallel: 1.")

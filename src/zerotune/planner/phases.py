@@ -233,7 +233,8 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
                grad_accum: int, trainable: int, peft: tuple[str, int] | None, gpu_capacity: int,
                host_capacity: int, validation_runs: bool, samples: int, max_new_tokens: int,
                quant_type: str, preference_chunk: int | None = None,
-               rollout: tuple[int, int, int] | None = None, rollout_chunk: int | None = None) -> Phases:
+               rollout: tuple[int, int, int] | None = None, rollout_chunk: int | None = None,
+               kl_reference: str | None = None) -> Phases:
     """Every phase's peak for one training job.
     `train` is memory.memory_breakdown's result for the recipe's own seq_len and micro-batch. preference_chunk: a DPO
     job (micro counts rows, 2 per pair): validation and the reference pass forward a micro-batch's padded rows with
@@ -303,18 +304,21 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
             {**resident, **gathering, **gen}, gpu_capacity, world, on_gpu,
             f"GRPO rollouts: {n} completions per micro-step, prompt <= {prompt:,} + {new} sampled tokens, KV cache",
             "lower train.micro_batch_size, rl.group_size or rl.max_new_tokens")
-        if ref_copy:
-            # the KL's reference pass (rl/objective.py reference_logps): the copy forwards the micro-batch's rows
-            # (prompt + completion, right-padded, no mask), no grad, per-token log-probs chunked (no vocab logits)
+        if kl_reference:
+            # the KL's reference pass (rl/objective.py reference_logps): the copy, or LoRA's policy with its adapters
+            # off (gathered as any ZeRO-3 forward), forwards the micro-batch's rows (prompt + completion,
+            # right-padded, no mask), no grad, per-token log-probs chunked (no vocab logits)
             T = n * seq
             c = min(rollout_chunk or T, T)
             fused = (e * T * m.hidden + 8 * c * m.vocab + 4 * T, f"fused per-token log-probs: {c:,}-token fp32 logits chunk")
+            who = "copy" if kl_reference == "copy" else "base (the policy with its adapters off)"
             out["reference"] = gpu_phase(
-                {**resident, "rollout rows (input_ids, labels, position_ids)": 3 * 8 * T,
+                {**resident, **({} if kl_reference == "copy" else gathering),
+                 "rollout rows (input_ids, labels, position_ids)": 3 * 8 * T,
                  **nograd_forward_parts(m, T, e, mask=None, liger=liger, on_gpu=on_gpu, loss=fused, repeat_kv=docs)},
                 gpu_capacity, world, on_gpu,
-                f"GRPO's KL: the starting model's copy forwards each micro-step's {n} x {seq:,}-token rows, no grad",
-                "set rl.beta: 0 (no reference copy), lower train.micro_batch_size or rl.group_size, or add GPUs")
+                f"GRPO's KL: the starting model's {who} forwards each micro-step's {n} x {seq:,}-token rows, no grad",
+                "set rl.beta: 0, lower train.micro_batch_size or rl.group_size, or add GPUs")
 
     # samples: generate() greedy with a DynamicCache, one prompt at a time (generation_parts). The prompt's length is
     # unknown before the tokenizer runs: bounded by data.seq_len (held-out prompts are shorter than the training

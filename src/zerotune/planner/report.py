@@ -49,7 +49,7 @@ def _rollout_why(p: Plan) -> str:
            "per-token gathers under ZeRO-3: the whole model does not fit beside the rollout's peak")
     return (f"{p.time.grad_accum} generate() x {_duration(t.per_micro_step_s)}: {t.rows} completions x "
             f"{t.new_tokens} sampled tokens each, {t.per_token_s:.3f} s per decode step ({how})"
-            + (f", then the reference copy's forward of them ({_duration(t.reference_s)}, the KL's)"
+            + (f", then the starting model's forward of them ({_duration(t.reference_s)}, the KL's)"
                if t.reference_s else ""))
 
 

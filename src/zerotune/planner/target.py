@@ -129,10 +129,18 @@ class Target:
             sequence_parallel=sp, reference_copy=self.reference_copy)
 
     @property
-    def reference_copy(self) -> int:
-        """GRPO with a KL term: the starting model's frozen copy on every GPU, in the model's dtype (bytes)."""
+    def kl_reference(self) -> str | None:
+        """GRPO with a KL term: what computes the starting model's log-probs (rl/objective.py reference_logps):
+        "adapters_off" (LoRA: the policy itself), "copy" (full fine-tuning: a frozen copy on every GPU), else None."""
         r = self.r
-        return hardware.dtype_bytes(self.choice.precision) * self.shape.n_params if r.grpo and r.rl.beta > 0 else 0
+        if not (r.grpo and r.rl.beta > 0):
+            return None
+        return "adapters_off" if self.peft else "copy"
+
+    @property
+    def reference_copy(self) -> int:
+        """The KL's frozen copy of the starting model on every GPU, in the model's dtype (bytes; 0 without one)."""
+        return hardware.dtype_bytes(self.choice.precision) * self.shape.n_params if self.kl_reference == "copy" else 0
 
     def phases(self, mem: dict, seq: int | None = None, rows: int | None = None) -> Phases:
         """Every phase of the job at `rows` x `seq` (default: the recipe's own batch) on this target (planner/phases.py);
@@ -153,7 +161,8 @@ class Target:
             validation_runs=r.data.eval_fraction > 0, samples=r.eval.samples if sets else 0,
             max_new_tokens=sets[0].max_new_tokens if sets else 0, quant_type=r.quantize.type,
             preference_chunk=r.preference.chunk_tokens if r.pairs else None,
-            rollout=self.rollout_shape(seq, rows) if r.grpo else None, rollout_chunk=r.rl.chunk_tokens))
+            rollout=self.rollout_shape(seq, rows) if r.grpo else None, rollout_chunk=r.rl.chunk_tokens,
+            kl_reference=self.kl_reference))
 
     def rollout_shape(self, seq: int, rows: int) -> tuple[int, int, int]:
         """A GRPO micro-step's generate(): (rows = micro prompts x G, the prompt bound, the tokens sampled). A prompt
@@ -199,7 +208,7 @@ class Target:
         once = at.phases(at.memory(seq, rows), seq, rows).rollout.gather_once
         return timemodel.rollout_time(self.forwards(world, cluster), *self.rollout_shape(seq, rows),
                                       micro_steps=self.grad_accum(seq, rows, world), gather_once=once,
-                                      reference=self.reference_copy > 0)
+                                      reference=self.kl_reference)
 
     def step_time(self, seq: int, rows: int, world: int | None = None, *, hpz: int | None = None,
                   cluster: str | None = None, sp: int | None = None) -> StepTime:

@@ -511,15 +511,17 @@ class Model:
 
 
 def rollout_time(model: Model, rows: int, prompt: int, new: int, micro_steps: int, gather_once: bool,
-                 reference: bool = False) -> dict:
+                 reference: str | None = None) -> dict:
     """GRPO: before each micro-step's forward, one generate() of its `rows` rows (micro prompts x G), timed as the
     samples' generation with `rows` rows per forward (a decode step reads the weights once for all of them);
     seconds per optimizer step (`micro_steps` of them), per rank (ranks roll out at once). Sampling costs what
     greedy does; every row runs the whole budget (the bound: a finished row's pads still go through the batch's
-    forwards). reference: the KL's pass, the starting model's local copy forwarding the rows (no gathers)."""
+    forwards). reference: the KL's pass over the rows: "copy", the starting model's local copy (compute only, no
+    gathers); "adapters_off", LoRA's policy itself (a forward as validation's: ZeRO-3 gathers it)."""
     once, prefill, token = model.generation(rows, prompt, new, gather_once)
-    ref = (model.flops(rows * (prompt + new), (prompt + new) / 2) / (model.peak_tflops * 1e12 * model.mfu)
-           if reference else 0.0)
+    tokens, span = rows * (prompt + new), (prompt + new) / 2
+    ref = {"copy": lambda: model.flops(tokens, span) / (model.peak_tflops * 1e12 * model.mfu),
+           "adapters_off": lambda: model.forward_s(tokens, span), None: lambda: 0.0}[reference]()
     micro = once + prefill + new * token + ref
     return {"seconds": micro_steps * micro, "per_micro_step_s": micro, "per_token_s": token, "rows": rows,
             "new_tokens": new, "reference_s": ref}

@@ -87,13 +87,14 @@ def rollout_forward(model, input_ids, position_ids, labels, advantages, loss_fn_
 
 
 def attach(model, loss_fn_of, chunk: int, temperature: float) -> None:
-    """model(..., grpo_advantages=A[, grpo_ref_logps=...]) returns GRPO's loss on a micro-batch of rollouts; every other call (generate,
+    """model(..., grpo_advantages=A[, grpo_ref_logps=...]) returns GRPO's loss on a micro-batch of rollouts,
+    model(..., grpo_logps=True) their per-token log-probs (the KL's reference pass: LoRA's base, adapters off); every other call (generate,
     the save's probe, SFT-style validation) goes to the model's own forward. loss_fn_of(rows, n_rows, A, ref_logps)
     -> the per-token loss function (grpo_loss_fn with the recipe's settings)."""
-    def route(kw, grpo_advantages=None, grpo_ref_logps=None):
-        if grpo_advantages is None:
+    def route(kw, grpo_advantages=None, grpo_ref_logps=None, grpo_logps=False):
+        if grpo_advantages is None and not grpo_logps:
             return None
         return rollout_forward(model, kw["input_ids"], kw.get("position_ids"), kw["labels"], grpo_advantages,
                                loss_fn_of, chunk, temperature, grpo_ref_logps)
 
-    attach_forward(model, {"grpo_advantages": None, "grpo_ref_logps": None}, route)
+    attach_forward(model, {"grpo_advantages": None, "grpo_ref_logps": None, "grpo_logps": False}, route)

@@ -7,8 +7,9 @@
                      and advantages (rewards.py), then the loss on them; the Trainer divides by grad-accum and
                      DeepSpeed averages over ranks: the step's mean over its completions
     callbacks(...)   none
-    reference        rl.beta > 0: the starting model, a frozen copy on every rank outside ZeRO (replicated_model),
-                     whose per-token log-probs of each micro-batch's rollouts enter the loss's KL term
+    reference        rl.beta > 0: the starting model, whose per-token log-probs of each micro-batch's rollouts enter
+                     the loss's KL term: with LoRA the policy with its adapters off (no copy), else a frozen copy
+                     on every rank outside ZeRO (replicated_model)
     validate         None: validation is SFT's loss on the eval split's reference answers
 
 Nothing else of the Trainer changes: DeepSpeed, the schedule, checkpoints, signals and resume are the Trainer's and
@@ -65,8 +66,9 @@ class Objective:
                 f"rewarded by {rl.reward}, advantages "
                 + ("normalised by the group's std" if rl.scale_rewards else "minus the group's mean (Dr. GRPO)")
                 + f"; loss {rl.loss}, clip {rl.epsilon:g}, "
-                + (f"KL to the starting model x {rl.beta:g} (a frozen copy on each rank)" if rl.beta > 0 else
-                   "no KL (beta 0)")
+                + (f"KL to the starting model x {rl.beta:g} ("
+                   + ("the base with the adapters off" if self.r.peft.method != "none" else "a frozen copy on each rank")
+                   + ")" if rl.beta > 0 else "no KL (beta 0)")
                 + f"; rolled out on the training ranks, the loss fused over {rl.chunk_tokens}-token chunks of the "
                   "completions")
 
@@ -85,16 +87,22 @@ class Objective:
                                         max_new_tokens=rl.max_new_tokens, ref_logps=ref_logps, beta=rl.beta)
 
         lossmod.attach(model, loss_fn_of, rl.chunk_tokens, rl.temperature)
-        if rl.beta > 0:
+        if rl.beta > 0 and self.r.peft.method == "none":
             self.reference = replicated_model(layout(self.r).base, model)
 
-    def reference_logps(self, rows: dict, device):
-        """The starting model's per-token log-probs of a micro-batch's completions (the KL term's), no grad."""
-        if self.reference.device != device:
-            self.reference.to(device)
+    def reference_logps(self, policy, rows: dict, device):
+        """The starting model's per-token log-probs of a micro-batch's completions (the KL term's), no grad: LoRA's
+        base is the policy with its adapters off (under ZeRO-3 a forward through the module, as validation's, which
+        every rank runs at once), full fine-tuning's the frozen copy."""
+        ids, pos, labels = rows["input_ids"], rows["position_ids"], rows["labels"]
         with torch.no_grad():
-            return lossmod.rollout_forward(self.reference, rows["input_ids"], rows["position_ids"], rows["labels"],
-                                           None, None, self.rl.chunk_tokens, self.rl.temperature)["logps"]
+            if self.reference is None:
+                with policy.disable_adapter():
+                    return policy(input_ids=ids, position_ids=pos, labels=labels, grpo_logps=True)["logps"]
+            if self.reference.device != device:
+                self.reference.to(device)
+            return lossmod.rollout_forward(self.reference, ids, pos, labels, None, None, self.rl.chunk_tokens,
+                                           self.rl.temperature)["logps"]
 
     @property
     def trainer_class(self):
@@ -130,8 +138,8 @@ class Objective:
                   zero_std_groups=zero_std, skipped_groups=skipped,
                   completion_tokens=sum(len(c) for c in completions), truncated=sum(truncated), rollout_s=seconds)
         out = {**{k: v.to(device) for k, v in batch_rows.items()}, "grpo_advantages": advantages.to(device)}
-        if self.reference is not None:
-            out["grpo_ref_logps"] = self.reference_logps(out, device)
+        if rl.beta > 0:
+            out["grpo_ref_logps"] = self.reference_logps(model, out, device)
         return out
 
     def prompt_text(self, prompt: list[int]) -> str:
