@@ -275,6 +275,7 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     from pathlib import Path
 
     from conftest import _zt, read_metrics
+    from zerotune.manifest import read_jsonl
 
     def shm_buffers():  # DeepSpeed's CPU all-reduce buffers, which the launcher removes (train/launch.py)
         return set(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
@@ -311,6 +312,10 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
         assert y["loss"] == pytest.approx(x["loss"], abs=1e-7), (x, y)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
     assert len({x["rl/reward"] for x in a}) > 1 and all(x["grad_norm"] > 0 for x in a), "rollouts that teach"
+    # train/rollouts.jsonl, one group per step to read: the resumed run's are the reference's, each step once
+    got, want = (read_jsonl(d / "train" / "rollouts.jsonl") for d in (run, ref))
+    assert [x["step"] for x in got] == [1, 2, 3, 4] and got == want
+    assert len(got[0]["completions"]) == 4 and {"text", "reward", "advantage"} <= set(got[0]["completions"][0])
     assert shm_buffers() <= before, "three runs (one stopped) left no 64 MiB shared-memory buffer behind"
 
 

@@ -7,7 +7,8 @@
       inspect/       inspect          sequences.html: prepared sequences as training sees them, labels highlighted
       base/          finetune         a random init materialised from model.init_config, zerotune_base.json (what it
                                       was made from); none when model.name_or_path names the base
-      train/         finetune         metrics.jsonl, samples.jsonl, validation_failed.json, curves.png, manifest.json;
+      train/         finetune         metrics.jsonl, samples.jsonl, rollouts.jsonl (GRPO), validation_failed.json,
+                                      curves.png, manifest.json;
                                       handoff between its processes: recipe.resolved.yaml and plan.json (written by
                                       the launcher, read by every rank and finalize), run.json, stopped.json,
                                       error.json, error.rank<N>.json; between sbatch attempts:
@@ -179,6 +180,10 @@ class RunLayout:
     @property
     def samples(self) -> Path:
         return self.train / "samples.jsonl"
+
+    @property
+    def rollouts(self) -> Path:  # GRPO: one prompt's group per step, its completions with their rewards
+        return self.train / "rollouts.jsonl"
 
     @property
     def validation_failed(self) -> Path:  # an attempt -> the next: this step's validation failed, don't retry it

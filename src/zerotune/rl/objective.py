@@ -30,6 +30,7 @@ from ..config import Recipe
 from ..data.cache import load_tokenizer
 from ..families import answer_text, of_config
 from ..hub import local_folder
+from .. import manifest as mf
 from ..layout import layout
 from ..metrics import dist_if_initialized
 from . import loss as lossmod
@@ -134,6 +135,12 @@ class Objective:
         kept = rewards[~torch.isnan(rewards)]
         groups = len(prompts)
         skipped = int(torch.isnan(rewards.view(groups, -1)).any(-1).sum())
+        if rank == 0 and micro == 0:  # what the model wrote and what it earned: one group per step, to read
+            g = rl.group_size
+            mf.append_jsonl(layout(self.r).rollouts, {
+                "step": step + 1, "prompt": asked[0], "reference": references[0],
+                "completions": [{"text": texts[i], "reward": values[i], "advantage": round(float(advantages[i]), 4)}
+                                for i in range(g)]})
         self._add(completions=len(kept), reward=float(kept.sum()), reward_sq=float((kept ** 2).sum()), groups=groups,
                   zero_std_groups=zero_std, skipped_groups=skipped,
                   completion_tokens=sum(len(c) for c in completions), truncated=sum(truncated), rollout_s=seconds)
@@ -197,6 +204,8 @@ class GrpoTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         step = self.state.global_step
+        if self._at[0] < 0 and self.args.process_index == 0:  # this attempt's first: a resumed run's later rows go
+            mf.rewind_jsonl(layout(self.objective.r).rollouts, step)
         micro = self._at[1] if self._at[0] == step else 0
         self._at = (step, micro + 1)
         rows = self.objective.rollouts(self.model, self.model_wrapped, inputs, step, micro, self.args.process_index,
