@@ -121,6 +121,29 @@ def test_fused_grpo_loss_equals_ligers_fused_loss_and_the_formula(loss_type, tem
         assert torch.allclose(fused[name], p.grad, rtol=1e-4, atol=1e-7), name
 
 
+def test_the_kl_term_of_a_token_far_from_the_start_is_bounded():
+    """k3's gradient per token, beta x (1 - exp(ref - logp)), has no bound: one token at ref - logp = 30 would be
+    1e13 x beta and set the fused loss's fp16 scale for the whole micro-batch. grpo_loss_fn clamps the log-ratio at
+    KL_LOG_RATIO: that token's gradient is beta x (1 - e^10), the others' are the formula's, untouched."""
+    import math
+
+    import torch
+
+    from zerotune.rl.loss import KL_LOG_RATIO, grpo_loss_fn
+
+    rows = torch.tensor([0, 0, 0, 1, 1])
+    logps = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.5], requires_grad=True)
+    ref = logps.detach() + torch.tensor([0.1, -0.2, 30.0, 0.0, -25.0])
+    adv, beta = torch.tensor([0.0, 0.0]), 0.04  # no advantage: the KL's gradient alone
+    loss, (clip, kl) = grpo_loss_fn(rows, 2, adv, loss_type="dr_grpo", epsilon=0.2, max_new_tokens=3,
+                                    ref_logps=ref, beta=beta)(logps)
+    loss.backward()
+    d = torch.tensor([0.1, -0.2, KL_LOG_RATIO, 0.0, -KL_LOG_RATIO])  # ref - logp, clamped
+    want = beta * (1 - torch.exp(d)) / (2 * 3)  # dr_grpo: / (rows x max_new_tokens)
+    assert torch.allclose(logps.grad, want, rtol=1e-5) and math.isfinite(float(loss))
+    assert kl.item() == pytest.approx(float((torch.exp(d) - d - 1).mean()), rel=1e-5)
+
+
 # ---- rewards and advantages ----------------------------------------------------------------------------------------
 
 def _rewards(reward: str, **rl):
@@ -191,12 +214,15 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tokenizer_dir):
              ({}, {"group_size": 1}, "rl.group_size=1: must be >= 2"),
              ({}, {"loss": "dapo"}, "rl.loss")]
     cases.append(({}, {}, "peft.method=qlora is not supported yet (tested: full fine-tuning and peft.method: lora)"))
+    cases.append(({}, {}, "peft.modules_to_save=['lm_head'] with rl.method=grpo is not supported yet"))
     for data, rl, says in cases:
         raw = {"name": "t", "model": {"init_config": "configs/models/tiny_llama31.json", "tokenizer": str(tokenizer_dir)},
                "data": {"sources": chats, "packing": False, "seq_len": 128, **data}, "rl": {"method": "grpo", **rl}}
-        if "peft" in says:
+        if "qlora" in says:
             raw["peft"] = {"method": "qlora"}
             raw["train"] = {"deepspeed": None}
+        elif "modules_to_save" in says:
+            raw["peft"] = {"method": "lora", "modules_to_save": ["lm_head"]}
         with pytest.raises(RecipeError) as e:
             from_dict(raw)
         assert says in str(e.value), (says, str(e.value))
@@ -461,6 +487,7 @@ def test_the_kl_terms_reference_copy_is_planned_on_every_gpu_and_refused_where_i
     text = format_plan(p)
     assert "nothing fits. Try: rl.beta=0: 29.0 GiB (fits)" in text
     assert all(o.sequence_parallel == 1 for o in p.options)  # GRPO refuses sequence parallelism: never offered
+    assert {o.seq_len for o in p.options} == {1024}  # another seq_len is other work (prompts per step), not offered
 
     tiny = compute_plan(load_recipe("tiny_grpo", ["rl.beta=0.04"]))
     assert tiny.recipe_batch.fits and tiny.memory.parts[REFERENCE_COPY] == 4 * tiny.model.n_params  # fp32 on CPU

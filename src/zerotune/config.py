@@ -493,6 +493,9 @@ def _validate_rl(r: Recipe, where: str) -> None:
                           f"run DPO first as its own recipe and start GRPO from its model (model.name_or_path).")
     _objective_rules(r, where, "rl.method=grpo", "prompts are not packed (each is answered group_size times)",
                      "learns from rewards only", peft_tested=("lora",))
+    if r.peft.modules_to_save:
+        raise RecipeError(f"{where}: peft.modules_to_save={r.peft.modules_to_save} with rl.method=grpo is not supported "
+                          f"yet (GRPO's fused loss reads the original lm_head under ZeRO-3); set peft.modules_to_save: [].")
     if r.train.sequence_parallel > 1:
         raise RecipeError(f"{where}: train.sequence_parallel={r.train.sequence_parallel} with rl.method=grpo: "
                           f"rollouts are generated whole on each rank; set train.sequence_parallel: 1.")

@@ -40,7 +40,10 @@ def options(t: Target) -> tuple[Option, ...]:
                       attention_kind=st.attention_kind, sequence_parallel=sp,
                       recipe=(seq, micro, sp) == (r.data.seq_len, r.train.micro_batch_size, t.sp))
 
-    for seq in sorted({s for s in SEQ_CHOICES if s <= t.shape.max_positions} | {r.data.seq_len}):
+    # GRPO: seq_len bounds a prompt + its completion and sets how many prompts make a step: another is other work,
+    # not another way to run this one; only the micro-batch varies
+    seqs = {r.data.seq_len} if r.grpo else {s for s in SEQ_CHOICES if s <= t.shape.max_positions} | {r.data.seq_len}
+    for seq in sorted(seqs):
         for micro in MICRO_CHOICES:
             tried = []
             for sp in sps:

@@ -30,6 +30,9 @@ import torch
 
 from ..preference.loss import FusedTokenLoss, attach_forward, label_positions, token_logps
 
+KL_LOG_RATIO = 10.0  # |log pi_ref - log pi| past which a token's KL term stops growing (grpo_loss_fn)
+
+
 def token_grid(rows, n_rows: int):
     """Each label position's column in its row's completion: the (rows, longest completion) layout Liger's formula
     takes. label_positions lists positions row by row, in order, so a token's column is its rank within its row."""
@@ -55,9 +58,16 @@ def grpo_loss_fn(rows, n_rows: int, advantages, *, loss_type: str, epsilon: floa
         return torch.zeros(mask.shape, dtype=x.dtype, device=x.device).index_put((rows, cols), x)
 
     def fn(x):
+        ref = None
+        if ref_logps is not None:
+            # k3's gradient per token is beta x (1 - exp(ref - logp)), unbounded: one token the policy has made far
+            # less likely than the start did would set the fused loss's fp16 scale for the whole micro-batch
+            # (preference/loss.py) and flush every other token's gradient. The log-ratio is clamped at KL_LOG_RATIO
+            # (the estimator is exact within it; verl clamps k3 itself at 10), bounding that gradient by e^10 x beta.
+            ref = x.detach() + (ref_logps.float() - x.detach()).clamp(-KL_LOG_RATIO, KL_LOG_RATIO)
         loss, metrics = LigerFusedLinearGRPOFunction.ppo_loss_fn(
             per_token_logps=grid(x), attention_mask=mask, advantages=advantages.float(), full_attention_mask=mask,
-            ref_per_token_logps=None if ref_logps is None else grid(ref_logps.float()),
+            ref_per_token_logps=None if ref is None else grid(ref),
             old_per_token_logps=None if old_logps is None else grid(old_logps), epsilon_low=epsilon,
             epsilon_high=epsilon, beta=beta if ref_logps is not None else 0.0, loss_type=loss_type,
             max_completion_length=max_new_tokens)

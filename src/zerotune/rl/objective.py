@@ -19,6 +19,7 @@ micro-step and rank).
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -100,8 +101,6 @@ class Objective:
             if self.reference is None:
                 with policy.disable_adapter():
                     return policy(input_ids=ids, position_ids=pos, labels=labels, grpo_logps=True)["logps"]
-            if self.reference.device != device:
-                self.reference.to(device)
             return lossmod.rollout_forward(self.reference, ids, pos, labels, None, None, self.rl.chunk_tokens,
                                            self.rl.temperature)["logps"]
 
@@ -237,7 +236,10 @@ def replicated_model(path, policy):
         if registered is not None:
             hf_deepspeed.set_hf_deepspeed_config(registered)
     model.config.use_cache = False
-    return model.eval().requires_grad_(False)
+    # onto this rank's GPU now, not at the first rollout: the host would hold every rank's copy until then (8 x 16 GB
+    # at 8B), and the first gather-once decision (gathering.room_to_gather) would see the GPU without it
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
+    return model.to(device).eval().requires_grad_(False)
 
 
 def _generation_header(tok) -> list[int]:
