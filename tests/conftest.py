@@ -127,7 +127,7 @@ def wait_for_step(proc, out: Path, step: int, committed: int | None = None) -> N
     raise AssertionError(f"run ended or timed out before step {step} (exit {proc.poll()})")
 
 
-TINY_STEPS = ["train.logging_steps=1", "train.max_steps=40"]
+TINY_STEPS = ["train.logging_steps=1", "train.max_steps=20"]
 # the resume tests' run: 10 steps, a committed checkpoint every 2, 2 kept (test_resume.py, test_slurm_cluster.py)
 RESUME_STEPS = 10
 RESUME_COMMON = ["train.logging_steps=1", f"train.max_steps={RESUME_STEPS}", "train.save_steps=2",
@@ -159,8 +159,8 @@ def tiny_dpo_reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_trained_40(tmp_path_factory):
-    """tiny, 40 steps on 2 ZeRO-3 CPU ranks, validation only at the end: (run folder, log). Shared so that
+def tiny_trained_20(tmp_path_factory):
+    """tiny, 20 steps on 2 ZeRO-3 CPU ranks, validation only at the end: (run folder, log). Shared so that
     the runs compared with it (evaluation during training) don't retrain it. Its samples gather per generated
     token (the fault that finds no room to gather the whole model, as one 8xV100 node at 8B), tiny_eval_run's
     gather the model once: the same final weights, so the same answers (test_eval_training.py)."""
@@ -173,7 +173,7 @@ def tiny_trained_40(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_eval_run(tmp_path_factory):
     """The same run (same data, same deterministic init) with validation + samples every 10 steps, then
-    quantized to Q8_0: (run folder, log). Independent of tiny_trained_40, so `zerotune eval` tests alone
+    quantized to Q8_0: (run folder, log). Independent of tiny_trained_20, so `zerotune eval` tests alone
     train once."""
     out = tmp_path_factory.mktemp("tiny_eval_run")
     _zt("data", "tiny", f"output_dir={out}")

@@ -1,6 +1,6 @@
 """`zerotune eval`: base vs fine-tuned HF vs GGUF per eval set, through the real CLI on a trained tiny run.
 
-The 40-step tiny run (shared session fixture) has learned the answer format ("You said: ...") but not yet the
+The 20-step tiny run (shared session fixture) has learned the answer format ("You said: ...") but not yet the
 copying, so: on a format set the fine-tuned model beats the random-init base; on the exact task all three are
 low; HF and its Q8_0 GGUF agree on both."""
 

@@ -473,6 +473,7 @@ def test_parent_with_fake_workers(gc, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # ~2 min; CI: the kit's worker protocol and parent (this file), the phases' worker code (training tests)
 def test_zero3_rows_on_cpu(gc, tmp_path):
     """A ZeRO-3 row set through real worker processes on CPU (DeepSpeed on gloo, a tiny Llama, fp32, no Liger):
     every phase through the worker's functions, then resume in a fresh process with equal fingerprints."""
