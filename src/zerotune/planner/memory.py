@@ -391,7 +391,7 @@ _LORA_DIMS = {  # (in, out) of each decoder linear (the same names in every fami
     "gate_proj": lambda m: (m.hidden, m.intermediate), "up_proj": lambda m: (m.hidden, m.intermediate),
     "down_proj": lambda m: (m.intermediate, m.hidden),
 }
-REFERENCE_COPY = "reference copy (GRPO's KL: 16-bit, whole)"
+REFERENCE_COPY = "reference copy (GRPO's KL, whole)"
 NF4_BYTES_PER_PARAM = 0.5 + 0.127 / 8  # 4-bit codes + double-quantized absmax (8-bit per 64, fp32 per 256 blocks)
 
 

@@ -520,8 +520,11 @@ def rollout_time(model: Model, rows: int, prompt: int, new: int, micro_steps: in
     gathers); "adapters_off", LoRA's policy itself (a forward as validation's: ZeRO-3 gathers it)."""
     once, prefill, token = model.generation(rows, prompt, new, gather_once)
     tokens, span = rows * (prompt + new), (prompt + new) / 2
-    ref = {"copy": lambda: model.flops(tokens, span) / (model.peak_tflops * 1e12 * model.mfu),
-           "adapters_off": lambda: model.forward_s(tokens, span), None: lambda: 0.0}[reference]()
+    ref = 0.0
+    if reference == "copy":
+        ref = model.flops(tokens, span) / (model.peak_tflops * 1e12 * model.mfu)
+    elif reference == "adapters_off":
+        ref = model.forward_s(tokens, span)
     micro = once + prefill + new * token + ref
     return {"seconds": micro_steps * micro, "per_micro_step_s": micro, "per_token_s": token, "rows": rows,
             "new_tokens": new, "reference_s": ref}

@@ -23,7 +23,8 @@ import os
 import time
 
 import torch
-from transformers import Trainer
+from transformers import AutoModelForCausalLM, Trainer
+from transformers.integrations import deepspeed as hf_deepspeed
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..chat_template import stop_ids
@@ -223,9 +224,6 @@ def replicated_model(path, policy):
     """The starting model as a frozen copy on this rank, in the policy's dtype and attention: loaded outside ZeRO-3
     (transformers partitions every from_pretrained while the Trainer's DeepSpeed config is registered: the copy
     would have no engine to gather it), so each rank holds it whole (the plan counts it: planner/phases.py)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations import deepspeed as hf_deepspeed
-
     ref = hf_deepspeed._hf_deepspeed_config_weak_ref
     registered = ref() if ref is not None else None
     hf_deepspeed.unset_hf_deepspeed_config()
