@@ -511,3 +511,36 @@ def test_the_lora_8b_grpo_recipe_gathers_once_and_its_kl_reference_is_the_base_i
     assert "live gathered params" in ref.parts or "prefetch bucket" in ref.parts  # a ZeRO-3 forward
     assert p.phases.rollout.time.reference_s > 0 and p.time.terms.rollout < full.time.terms.rollout / 4
     assert p.time.seconds_per_step < full.time.seconds_per_step / 3
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_run_gathers_once_by_the_plans_rule_and_terms(monkeypatch, nodes):
+    """A rollout gathers the whole model once by one rule, the plan's (Phase.room_to_gather_once): free memory >= the
+    16-bit model + the phase's generate() terms. At run time (gathering.room_to_gather) the free memory is measured;
+    in the plan it is the capacity less what the phase holds beside generate(). Given the plan's free memory, the
+    run decides as the plan did, at 8B on 1 node (no: per-token gathers) and on 2 (yes, 3.5 GB to spare; the run's
+    former rule, free >= 1.25 x the model, had 0.6 GB), and one byte less than the rule asks turns it to no."""
+    import torch
+
+    from zerotune import gathering
+    from zerotune.config import load_recipe
+    from zerotune.planner.compute import compute_plan
+    from zerotune.planner.memory import GiB
+
+    p = compute_plan(load_recipe("llama8b_grpo_zero3"), nodes=nodes)
+    ro = p.phases.rollout
+    whole = 2 * p.model.n_params
+    gathered = ro.parts.get("whole model gathered once (16-bit)", 0)
+    free = ro.capacity_bytes - (ro.peak_bytes - gathered - ro.generating_bytes)  # what the rank holds beside it
+    assert ro.generating_bytes > 0 and ro.gather_once == (nodes == 2) and gathered == (whole if nodes == 2 else 0)
+
+    class Shard:  # a ZeRO-3 parameter as room_to_gather reads it: its whole numel, a 16-bit shard
+        ds_numel, ds_tensor = p.model.n_params, torch.empty(0, dtype=torch.float16)
+
+    module = type("M", (), {"parameters": lambda self: [Shard()]})()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for room, says in ((free, ro.gather_once), (whole + ro.generating_bytes, True),
+                       (whole + ro.generating_bytes - 1, False)):
+        monkeypatch.setattr(gathering, "_available_ram", lambda: room)
+        assert gathering.room_to_gather(module, "cpu", ro) is says, (nodes, room / GiB)

@@ -51,7 +51,7 @@ def host_phase(parts: dict, capacity: int, what: str, fix: str) -> Phase:
 
 
 def gpu_phase(tensors: dict, capacity: int, world: int, on_gpu: bool, what: str, fix: str, runs: bool = True,
-              views: dict | None = None) -> Phase:
+              views: dict | None = None, generating: dict | None = None) -> Phase:
     """A GPU phase: its tensors plus the overheads every GPU phase carries (calibration.overheads), and the
     allocated / reserved / nvidia-smi views of its peak as for the training step (calibration.views). views: the
     training step's, whose tensors carry their overheads already."""
@@ -61,7 +61,8 @@ def gpu_phase(tensors: dict, capacity: int, world: int, on_gpu: bool, what: str,
         parts.update(extra)
         views = calibration.views(sum(tensors.values()), extra, on_gpu)
     return Phase(peak_bytes=sum(parts.values()), capacity_bytes=capacity, limit="gpu" if on_gpu else "host",
-                 what=what, fix=fix, runs=runs, parts=parts, views=Views(**views))
+                 what=what, fix=fix, runs=runs, parts=parts, views=Views(**views),
+                 generating_bytes=sum((generating or {}).values()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +304,7 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
         out["rollout"] = gpu_phase(
             {**resident, **gathering, **gen}, gpu_capacity, world, on_gpu,
             f"GRPO rollouts: {n} completions per micro-step, prompt <= {prompt:,} + {new} sampled tokens, KV cache",
-            "lower train.micro_batch_size, rl.group_size or rl.max_new_tokens")
+            "lower train.micro_batch_size, rl.group_size or rl.max_new_tokens", generating=gen)
         if kl_reference:
             # the KL's reference pass (rl/objective.py reference_logps): the copy, or LoRA's policy with its adapters
             # off (gathered as any ZeRO-3 forward), forwards the micro-batch's rows (prompt + completion,
@@ -330,7 +331,7 @@ def phase_plan(*, m: ModelShape, train: dict, precision: str, attention: str, li
     out["samples"] = gpu_phase(
         {**resident, **gathering, **gen}, gpu_capacity, world, on_gpu,
         f"greedy generate, prompt <= {prompt:,} + {max_new_tokens} new tokens, KV cache",
-        "set eval.samples=0 or lower data.seq_len", runs=samples > 0)
+        "set eval.samples=0 or lower data.seq_len", runs=samples > 0, generating=gen)
 
     # save (Trainer._save_checkpoint, trainer.py:3355-3392): save_model (:3369), then the optimizer shards (:3392).
     #   GPU: deepspeed runtime/engine.py:5654-5687 gathers one module's parameters at a time

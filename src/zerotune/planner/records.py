@@ -132,10 +132,17 @@ class Phase:
     views: Views | None = None       # GPU phases
     time: PhaseTime | None = None    # where the time model has figures
     gather_once: bool = False        # samples, rollout under ZeRO-3: the whole model gathered once per generate()
+    generating_bytes: int = 0        # samples, rollout: generate()'s own terms in peak_bytes (KV cache, activations)
 
     @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.capacity_bytes
+
+    def room_to_gather_once(self, free_bytes: int, whole_bytes: int) -> bool:
+        """The one rule for gathering the whole model once per generate() under ZeRO-3, in the plan
+        (Target._gather_once: free = capacity - what the rank holds beside generate()) and at run time (gathering.py:
+        free = what the device has left, measured): the room must take the 16-bit model and generate()'s own terms."""
+        return free_bytes >= whole_bytes + self.generating_bytes
 
 
 @dataclass(frozen=True)

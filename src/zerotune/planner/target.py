@@ -174,12 +174,14 @@ class Target:
         """In-training samples and GRPO's rollouts under ZeRO-3 across ranks: gather the whole model once per
         generate() call (gathering.py, as TRL's unwrap_model_for_generation does) when it fits beside the phase's
         own peak, instead of once per generated token. Where it fits, the phase holds the 16-bit model too; where it
-        does not (one 8xV100 node at 8B), per-token gathers stay, over the node's NVLink."""
+        does not (one 8xV100 node at 8B), per-token gathers stay, over the node's NVLink. The rule is the run's
+        (Phase.room_to_gather_once), with the room the phase leaves beside generate() as the free memory."""
         whole = hardware.dtype_bytes(self.choice.precision) * self.shape.n_params
         changed = {}
         for name in ("samples", "rollout"):
             s = getattr(phases, name)
-            if s is None or not (self.world > 1 and s.peak_bytes + whole <= self.capacity):
+            if s is None or self.world == 1 or not s.room_to_gather_once(
+                    self.capacity - (s.peak_bytes - s.generating_bytes), whole):
                 continue
             changed[name] = dataclasses.replace(s, parts={**s.parts, "whole model gathered once (16-bit)": whole},
                                                 peak_bytes=s.peak_bytes + whole, gather_once=True,

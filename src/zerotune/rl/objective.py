@@ -31,6 +31,7 @@ from ..chat_template import stop_ids
 from ..config import Recipe
 from ..data.cache import load_tokenizer
 from ..families import answer_text, of_config
+from ..gathering import planned
 from ..hub import local_folder
 from .. import manifest as mf
 from ..layout import layout
@@ -61,6 +62,7 @@ class Objective:
         self.header = _generation_header(self.tok)
         self._sums = None
         self.reference = None  # attach() loads it where rl.beta > 0
+        self._planned = None  # the launch plan's rollout phase: whether a rollout gathers the model once
 
     def describe(self) -> str:
         rl = self.rl
@@ -118,7 +120,9 @@ class Objective:
         prompts, references = batch["prompts"], batch["references"]
         budget = min(rl.max_new_tokens, self.r.data.seq_len - max(len(p) for p in prompts))
         t0 = time.perf_counter()
-        with rollout.gathered(engine, device, sharded) as whole:
+        if sharded and self._planned is None:
+            self._planned = planned(self.r, "rollout")
+        with rollout.gathered(engine, device, sharded, self._planned) as whole:
             completions, truncated = rollout.sample(
                 model, prompts, rl.group_size, budget, rl.temperature, rl.top_p, self.stop,
                 rollout.seed_of(self.r.train.seed, step, micro, rank), device, synced_gpus=sharded and not whole)

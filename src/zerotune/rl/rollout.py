@@ -99,9 +99,9 @@ def rows_of(prompts: list[list[int]], completions: list[list[int]], group_size: 
     return {"input_ids": ids, "position_ids": torch.arange(n).repeat(len(seqs), 1), "labels": labels}
 
 
-def gathered(engine, device, sharded: bool):
+def gathered(engine, device, sharded: bool, phase):
     """The whole model gathered once for a rollout where ZeRO-3 shards it and every rank has room (yields True),
-    else nothing (yields False: generate gathers per layer, synced over ranks)."""
+    else nothing (yields False: generate gathers per layer, synced over ranks). phase: the plan's rollout phase."""
     if not sharded:
         return contextlib.nullcontext(False)
-    return whole_model(engine, device)
+    return whole_model(engine, device, phase)

@@ -42,7 +42,7 @@ from ..config import Recipe
 from ..data.cache import load_tokenizer
 from ..families import answer_text, of_config
 from ..hub import local_folder
-from ..gathering import whole_model
+from ..gathering import planned, whole_model
 from ..layout import layout
 from ..metrics import dist_if_initialized
 from ..planner.records import Plan
@@ -250,7 +250,8 @@ class EvalDuringTraining(TrainerCallback):
         family = of_config(model.config)  # Qwen3: scored after its thinking block, as check and eval score
         sharded = bool(dist_if_initialized()) and is_deepspeed_zero3_enabled()
         engine = self.trainer.model_wrapped if self.trainer is not None else None
-        with whole_model(engine, device) if sharded else contextlib.nullcontext(False) as gathered:
+        with (whole_model(engine, device, planned(self.r, "samples")) if sharded else
+              contextlib.nullcontext(False)) as gathered:
             preds = hf_generate(model, tok, stop, rows, es.max_new_tokens, batch_size=1, device=device,
                                 synced_gpus=sharded and not gathered)
         self.gathered = gathered
