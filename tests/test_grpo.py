@@ -453,6 +453,10 @@ def test_the_8b_grpo_recipe_fits_every_phase_of_a_v100_node_and_states_its_rollo
     text = format_plan(p)
     assert "8 generate() x 75 s: 8 completions x 512 sampled tokens each" in text
     assert "of each 12 min optimizer step (83%) samples completions" in text
+    # a USR1 at another time than the limit's (a preemption's grace) waits for the step in flight, rollouts and all
+    needs = p.preemption.idle_at_time_limit_s
+    assert needs > p.time.terms.rollout + p.preemption.save_s > p.preemption.signal_lead_s
+    assert f"the step in flight ends first, then the save: it needs {needs / 3600:.2f} h of warning" in text
 
     four = compute_plan(r, nodes=4)
     assert four.phases.rollout.gather_once and four.phases.rollout.fits

@@ -348,6 +348,11 @@ def _format_preemption(p: Plan) -> list[str]:
     if pe.idle_at_time_limit_s:
         lines.append(f"  time limit: the run stops at a step boundary with a checkpoint, no trained step lost; up to "
                      f"{pe.idle_at_time_limit_s / 3600:.2f} h of the allocation (a step + a save + margin) unused")
+        # a warning at another time than the limit's (a preemption's USR1 with its GraceTime, `scancel
+        # --signal=USR1`) has no deadline to plan by: the step in flight runs to its end before the save
+        lines.append(f"  stopped by USR1 at any other time (preemption's grace, scancel --signal=USR1): the step in "
+                     f"flight ends first, then the save: it needs {_h(pe.idle_at_time_limit_s)} of warning, "
+                     "else the steps since the last save are lost")
     if ws:
         lines.append(f"  resubmitted on another number of GPUs: converting takes ~{_duration(ws.convert_s)} once, "
                      f"in the launcher (an estimate: {CONVERT_BYTES_PER_S / 1e6:g} MB/s measured at tiny scale), and "
