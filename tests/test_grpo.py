@@ -252,31 +252,55 @@ def test_a_rows_prompt_is_everything_before_its_last_assistant_turn():
                                        [-100, 16, -100, -100]]
 
 
-def test_rollouts_are_seeded_per_step_and_rank_and_leave_the_trainers_rng_alone():
-    """The same seed samples the same completions (a resumed run's are the uninterrupted run's), another seed others;
-    the global RNG the Trainer draws from is where it was; the model goes back to training mode; a repetition penalty
-    in the model's generation_config changes nothing (the loss assumes softmax(logits / T)); every completion ends
-    at its first stop token or runs the whole budget."""
+def test_rollouts_are_seeded_per_step_and_prompt_and_leave_the_trainers_rng_alone():
+    """The same seed samples the same completions (a resumed run's are the uninterrupted run's), another step others;
+    a prompt's group is the same alone as beside another prompt (another batch, other left padding: another world
+    size or micro-batch); the global RNG the Trainer draws from is where it was; the model goes back to training
+    mode; a repetition penalty in the model's generation_config changes nothing (the loss assumes
+    softmax(logits / T)); every completion ends at its first stop token or runs the whole budget."""
     import torch
 
-    from zerotune.rl.rollout import sample, seed_of
+    from zerotune.rl.rollout import row_seeds, sample
 
     model = tiny_random_model()
     model.train()
     prompts, stop = [[5, 6, 7], [8, 9]], [2, 3]
     torch.manual_seed(123)
     before = torch.get_rng_state()
-    a = sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 1), "cpu")
+    a = sample(model, prompts, 4, 6, 1.0, 1.0, stop, row_seeds(42, 3, prompts, 4), "cpu")
     assert torch.equal(torch.get_rng_state(), before) and model.training
-    b = sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 1), "cpu")
-    c = sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 0), "cpu")
+    b = sample(model, prompts, 4, 6, 1.0, 1.0, stop, row_seeds(42, 3, prompts, 4), "cpu")
+    c = sample(model, prompts, 4, 6, 1.0, 1.0, stop, row_seeds(42, 4, prompts, 4), "cpu")
     assert a == b and a[0] != c[0]
+    alone = sample(model, prompts[1:], 4, 6, 1.0, 1.0, stop, row_seeds(42, 3, prompts[1:], 4), "cpu")
+    assert alone[0] == a[0][4:] and alone[1] == a[1][4:]
     model.generation_config.repetition_penalty, model.generation_config.no_repeat_ngram_size = 10.0, 1
-    assert sample(model, prompts, 4, 6, 1.0, 1.0, stop, seed_of(42, 3, 0, 1), "cpu") == a, "the model's own settings"
+    assert sample(model, prompts, 4, 6, 1.0, 1.0, stop, row_seeds(42, 3, prompts, 4), "cpu") == a, "its own settings"
     completions, truncated = a
     assert len(completions) == 8 and len(set(map(tuple, completions))) > 1  # sampled, not greedy
     for c_, cut in zip(completions, truncated):
         assert (c_[-1] in stop) != cut and not any(t in stop for t in c_[:-1]) and len(c_) <= 6
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_each_rows_draw_is_from_the_tempered_distribution(temperature, top_p):
+    """RowSampler's greedy choice over Gumbel-perturbed scores is a draw from softmax(logits / T), restricted to
+    transformers' top-p nucleus: 20,000 rows with their own seeds hit each token as often as the distribution says
+    (within 4 standard errors), and a token outside the nucleus never."""
+    import torch
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from zerotune.rl.rollout import RowSampler
+
+    n, logits = 20_000, torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    sampler = RowSampler(list(range(n)), temperature, top_p, torch.device("cpu"))
+    picks = sampler(None, logits.repeat(n, 1)).argmax(-1)
+    want = torch.softmax(TopPLogitsWarper(top_p)(None, logits[None] / temperature) if top_p < 1
+                         else logits[None] / temperature, -1)[0]
+    got = torch.bincount(picks, minlength=5).double() / n
+    se = (want * (1 - want) / n).sqrt()
+    assert ((got - want).abs() <= 4 * se + 1e-12).all(), (got, want)
+    assert (got[want == 0] == 0).all() and (want == 0).any() == (top_p < 1)
 
 
 # ---- the run -------------------------------------------------------------------------------------------------------
@@ -288,9 +312,10 @@ GRPO_COMMON = ["train.max_steps=4", "train.logging_steps=1", "rl.beta=0.04"]
 @pytest.mark.integration
 def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     """tiny_grpo on 2 ZeRO-3 CPU ranks: an uninterrupted 4-step run whose rollouts gather the model per layer per
-    token (the fault that finds no room for the whole model, as at 8B on a full node) against a run stopped after
-    step 1 by a deadline already passed (checkpoint-1 committed) and resumed, whose rollouts gather it once: every
-    step's rollouts, rewards, KL, loss and gradient norm equal. With rl.beta > 0 each rank holds the starting model
+    token (the fault that finds no room for the whole model, as at 8B on a full node) against a run that starts on 1
+    process, is stopped after step 1 by a deadline already passed (checkpoint-1 committed at world size 1) and
+    resumes on 2 through the universal conversion, whose rollouts gather it once: every step's rollouts, rewards,
+    KL, loss and gradient norm equal (each row samples from its own seed, wherever its prompt lands). With rl.beta > 0 each rank holds the starting model
     whole beside its ZeRO-3 shard (loaded outside ZeRO) and forwards every rollout with it: the KL is 0 at step 1
     (the policy is the start) and grows after. The log says what GRPO reports per step."""
     import os
@@ -320,22 +345,23 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     for part in ("data", "base"):
         shutil.copytree(ref / part, run / part)
 
-    def finetune(**env):
+    def finetune(procs: int, **env):
         proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny_grpo", f"output_dir={run}",
-                               *GRPO_COMMON], cwd=REPO, capture_output=True, text=True, timeout=1200,
-                              env={**os.environ, **env})
+                               *GRPO_COMMON, f"train.cpu_procs={procs}"], cwd=REPO, capture_output=True, text=True,
+                              timeout=1200, env={**os.environ, **env})
         return proc.returncode, proc.stdout + proc.stderr
 
-    rc, out = finetune(ZEROTUNE_DEADLINE=str(int(time.time())))
+    rc, out = finetune(1, ZEROTUNE_DEADLINE=str(int(time.time())))
     assert rc == 75 and "checkpointing at step 1 and stopping" in out, out[-3000:]
-    rc, out = finetune()
-    assert rc == 0 and "Traceback" not in out, out[-3000:]
+    rc, out = finetune(2)
+    assert rc == 0 and "world size 1 -> 2" in out and "Traceback" not in out, out[-3000:]
     a, b = read_metrics(ref), read_metrics(run)
     assert [x["step"] for x in b] == [1, 2, 3, 4], "every step exactly once"
     for x, y in zip(a, b):
-        for key in ("rl/reward", "rl/reward_std", "rl/completion_tokens", "rl/zero_std_groups", "rl/kl"):
-            assert y[key] == pytest.approx(x[key], abs=1e-9), (key, x, y)
-        assert y["loss"] == pytest.approx(x["loss"], abs=1e-7), (x, y)
+        for key in ("rl/reward", "rl/reward_std", "rl/completion_tokens", "rl/zero_std_groups"):
+            assert y[key] == x[key], (key, x, y)
+        assert y["rl/kl"] == pytest.approx(x["rl/kl"], rel=1e-4, abs=1e-9), (x, y)
+        assert y["loss"] == pytest.approx(x["loss"], abs=5e-6), (x, y)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-5), (x, y)
     assert len({x["rl/reward"] for x in a}) > 1 and all(x["grad_norm"] > 0 for x in a), "rollouts that teach"
     # train/rollouts.jsonl, one group per step to read: the resumed run's are the reference's, each step once

@@ -125,7 +125,8 @@ class Objective:
         with rollout.gathered(engine, device, sharded, self._planned) as whole:
             completions, truncated = rollout.sample(
                 model, prompts, rl.group_size, budget, rl.temperature, rl.top_p, self.stop,
-                rollout.seed_of(self.r.train.seed, step, micro, rank), device, synced_gpus=sharded and not whole)
+                rollout.row_seeds(self.r.train.seed, step, prompts, rl.group_size), device,
+                synced_gpus=sharded and not whole)
         seconds = time.perf_counter() - t0
         family = of_config(model.config)
         texts = [answer_text(family, self.tok.decode(c, skip_special_tokens=True).strip()) for c in completions]

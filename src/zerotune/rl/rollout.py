@@ -8,9 +8,10 @@ data as it is, and the reward compares a completion with what the data says is r
 How they are sampled: one left-padded generate() call per micro-batch (m prompts x G rows, prompt-major), as
 answering.py batches greedy answers, with do_sample at rl.temperature / rl.top_p and no top-k or repetition
 penalty from the model's generation_config (the loss's log-probs are of softmax(logits / temperature): anything
-else would sample from another distribution than the one trained). The RNG is forked and seeded from (the run's
-seed, the optimizer step, the micro-step, the rank): a run resumed at a step boundary samples the same completions
-it would have, and the Trainer's own RNG stream is untouched. The model is in eval mode for it (gradient
+else would sample from another distribution than the one trained). Each row draws from its own generator, seeded
+from (the run's seed, the optimizer step, the prompt, the row's place in its group) (RowSampler, row_seeds): a run
+resumed at a step boundary, on this world size or another, samples the same completions it would have, and the
+Trainer's own RNG stream is untouched. The model is in eval mode for it (gradient
 checkpointing turns the KV cache off in training mode). Under ZeRO-3 the weights are gathered once for the whole
 call where every rank has room (gathering.py whole_model), else per layer per token (synced_gpus).
 """
@@ -18,10 +19,12 @@ call where every rank has room (gathering.py whole_model), else per layer per to
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TopPLogitsWarper
 
 from ..gathering import whole_model
 from ..preference.loss import IGNORE
@@ -38,16 +41,44 @@ def split_row(input_ids: list[int], labels: list[int]) -> tuple[list[int], list[
     return list(input_ids[:start]), list(input_ids[start:end + 1])
 
 
-# Sampling settings generate() would otherwise take from the model's generation_config (transformers 5.23 fills every
-# field left None from it, generation/utils.py:2107-2109): each reshapes the distribution the loss assumes sampled
-# (repetition penalty :1466, no-repeat n-grams :1482, min-p / typical / epsilon / eta warpers :1624-1639, a minimum
-# length that suppresses the end of turn). Set to what does nothing.
-NEUTRAL = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_p": 0.0, "typical_p": 1.0,
-           "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_new_tokens": 0}  # min_new_tokens wins over min_length
+# Settings generate() would otherwise take from the model's generation_config (transformers 5.23 fills every field
+# left None from it, generation/utils.py:2107-2109) whose processors run in greedy decoding too and reshape the
+# distribution the loss assumes sampled (repetition penalty :1466, no-repeat n-grams :1482, a minimum length that
+# suppresses the end of turn). Set to what does nothing. The sampling warpers (temperature, top-k/p, min-p, typical,
+# epsilon, eta: :1597-1640) run only under do_sample, which RowSampler replaces.
+NEUTRAL = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+           "min_new_tokens": 0}  # min_new_tokens wins over min_length
 
 
-def seed_of(base: int, step: int, micro: int, rank: int) -> int:
-    return (base * 1_000_003 + step * 10_007 + micro * 101 + rank) % (2 ** 62)
+def row_seeds(base: int, step: int, prompts: list[list[int]], group_size: int) -> list[int]:
+    """One seed per row: (the run's seed, the optimizer step, the prompt's tokens, the row's place in its group).
+    Nothing of where the prompt landed (rank, micro-step, its neighbours in the batch) enters it, so another world
+    size or micro-batch samples the same completions. The same prompt twice in one step samples the same group."""
+    out = []
+    for p in prompts:
+        key = int.from_bytes(hashlib.blake2b(repr(p).encode(), digest_size=8).digest(), "little")
+        out += [(base * 1_000_003 + step * 10_007 + key * 101 + g) % (2 ** 62) for g in range(group_size)]
+    return out
+
+
+class RowSampler(LogitsProcessor):
+    """Sampling from softmax(logits / temperature) (top-p: transformers' own warper first) as the greedy choice over
+    Gumbel-perturbed scores: argmax(s + g) with g ~ Gumbel(0, 1) i.i.d. is a draw from softmax(s) (the Gumbel-max
+    trick). Each row draws its noise from its own generator, one vector per step, so a row's completion depends on
+    its seed and its own logits only, not on the other rows of the call, as generate()'s one multinomial over the
+    batch would (transformers 5.23 generation/utils.py:3273-3276)."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device):
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        self.temperature = temperature
+        self.top_p = TopPLogitsWarper(top_p=top_p) if top_p < 1.0 else None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.float() / self.temperature
+        if self.top_p is not None:
+            scores = self.top_p(input_ids, scores)
+        u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device) for g in self.generators])
+        return scores - torch.log(-torch.log(u))  # u = 0 gives -inf: a draw of probability 0, never chosen
 
 
 @dataclass
@@ -61,21 +92,23 @@ class Rollouts:
 
 
 def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, temperature: float, top_p: float,
-           stop: list[int], seed: int, device, synced_gpus: bool = False) -> tuple[list[list[int]], list[bool]]:
-    """G completions per prompt: (tokens up to and including the first stop token, truncated) per row."""
+           stop: list[int], seeds: list[int], device, synced_gpus: bool = False) -> tuple[list[list[int]], list[bool]]:
+    """G completions per prompt, row i drawn with seeds[i] (row_seeds): (tokens up to and including the first stop
+    token, truncated) per row."""
     rows = [p for p in prompts for _ in range(group_size)]
     width = max(len(p) for p in rows)
     ids = torch.tensor([[stop[0]] * (width - len(p)) + p for p in rows], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
-    config = GenerationConfig(do_sample=True, temperature=temperature, top_p=top_p, top_k=0, max_new_tokens=max_new_tokens,
+    # greedy over RowSampler's perturbed scores is the sampling; generate()'s own warpers stay off (do_sample=False)
+    config = GenerationConfig(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_new_tokens,
                               eos_token_id=stop, pad_token_id=stop[0], use_cache=True, **NEUTRAL)
+    sampler = LogitsProcessorList([RowSampler(seeds, temperature, top_p, torch.device(device))])
     training = model.training
-    cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     model.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(seed)
-            gen = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, synced_gpus=synced_gpus)
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                 logits_processor=sampler, synced_gpus=synced_gpus)
     finally:
         model.train(training)
     out, truncated = [], []
