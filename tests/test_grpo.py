@@ -574,3 +574,19 @@ def test_the_run_gathers_once_by_the_plans_rule_and_terms(monkeypatch, nodes):
                        (whole + ro.generating_bytes - 1, False)):
         monkeypatch.setattr(gathering, "_available_ram", lambda: room)
         assert gathering.room_to_gather(module, "cpu", ro) is says, (nodes, room / GiB)
+
+
+def test_the_hpz_column_counts_hpzs_copy_in_the_rollouts_room_to_gather():
+    """ZeRO++ hpZ keeps a secondary copy of the parameters on every GPU (+2 GB at 8B over 8 GPUs), through every phase.
+    llama8b_grpo_zero3 at micro-batch 4 on 2 nodes gathers its rollouts' model once (17 s a step); with hpZ the copy
+    leaves no room for it, so the node table's hpZ column prices per-token gathers: minutes more per step, not hpZ's
+    seconds saved."""
+    from zerotune.config import load_recipe
+    from zerotune.planner.compute import compute_plan
+
+    r = load_recipe("llama8b_grpo_zero3", ["train.micro_batch_size=4"])
+    p = compute_plan(r, nodes=2)
+    assert p.phases.rollout.gather_once
+    two = next(row for row in p.time.nodes.rows if row.nodes == 2).on(p.time.cluster)
+    assert two.terms.rollout == p.time.terms.rollout < 60
+    assert two.hpz_terms.rollout > 10 * two.terms.rollout and two.hpz_seconds_per_step > two.seconds_per_step + 600

@@ -142,10 +142,10 @@ class Target:
         """The KL's frozen copy of the starting model on every GPU, in the model's dtype (bytes; 0 without one)."""
         return hardware.dtype_bytes(self.choice.precision) * self.shape.n_params if self.kl_reference == "copy" else 0
 
-    def phases(self, mem: dict, seq: int | None = None, rows: int | None = None) -> Phases:
+    def phases(self, mem: dict, seq: int | None = None, rows: int | None = None, hpz: int | None = None) -> Phases:
         """Every phase of the job at `rows` x `seq` (default: the recipe's own batch) on this target (planner/phases.py);
         mem: the training step's memory_breakdown at that batch. Under ZeRO-3, the generating phases gather the whole
-        model once where it fits (gather_once)."""
+        model once where it fits (gather_once), beside hpZ's secondary copy where `hpz` (default: the recipe's) has one."""
         r = self.r
         sets = r.eval_sets()  # in-training samples answer the first set's prompts (validation._sample_prompts)
         seq = seq or r.data.seq_len
@@ -162,7 +162,7 @@ class Target:
             max_new_tokens=sets[0].max_new_tokens if sets else 0, quant_type=r.quantize.type,
             preference_chunk=r.preference.chunk_tokens if r.pairs else None,
             rollout=self.rollout_shape(seq, rows) if r.grpo else None, rollout_chunk=r.rl.chunk_tokens,
-            kl_reference=self.kl_reference))
+            kl_reference=self.kl_reference), self.hpz if hpz is None else hpz)
 
     def rollout_shape(self, seq: int, rows: int) -> tuple[int, int, int]:
         """A GRPO micro-step's generate(): (rows = micro prompts x G, the prompt bound, the tokens sampled). A prompt
@@ -170,18 +170,22 @@ class Target:
         new = self.r.rl.max_new_tokens
         return rows, seq - new, new
 
-    def _gather_once(self, phases: Phases) -> Phases:
+    def _gather_once(self, phases: Phases, hpz: int) -> Phases:
         """In-training samples and GRPO's rollouts under ZeRO-3 across ranks: gather the whole model once per
         generate() call (gathering.py, as TRL's unwrap_model_for_generation does) when it fits beside the phase's
         own peak, instead of once per generated token. Where it fits, the phase holds the 16-bit model too; where it
         does not (one 8xV100 node at 8B), per-token gathers stay, over the node's NVLink. The rule is the run's
         (Phase.room_to_gather_once), with the room the phase leaves beside generate() as the free memory."""
-        whole = hardware.dtype_bytes(self.choice.precision) * self.shape.n_params
+        e = hardware.dtype_bytes(self.choice.precision)
+        whole = e * self.shape.n_params
+        # ZeRO++ hpZ's secondary copy of the parameters stays on the GPU through every phase (not in the phases'
+        # parts: compute.warnings HpzCopy), so it takes from the room too
+        secondary = timemodel.hpz_bytes(self.shape.n_params, e, hpz)
         changed = {}
         for name in ("samples", "rollout"):
             s = getattr(phases, name)
             if s is None or self.world == 1 or not s.room_to_gather_once(
-                    self.capacity - (s.peak_bytes - s.generating_bytes), whole):
+                    self.capacity - (s.peak_bytes - s.generating_bytes) - secondary, whole):
                 continue
             changed[name] = dataclasses.replace(s, parts={**s.parts, "whole model gathered once (16-bit)": whole},
                                                 peak_bytes=s.peak_bytes + whole, gather_once=True,
@@ -198,7 +202,8 @@ class Target:
             mfu=self.mfu, module_numels=self.shape.zero3_modules(self.zero)[0],
             host_pass_s=timemodel.zero3_host_pass_s(self.zero_stage, self.shape.layers, self.peft is not None))
 
-    def rollout_time(self, seq: int, rows: int, world: int | None = None, cluster: str | None = None) -> dict | None:
+    def rollout_time(self, seq: int, rows: int, world: int | None = None, cluster: str | None = None,
+                     hpz: int | None = None) -> dict | None:
         """GRPO: the rollouts of one optimizer step at `rows` x `seq` on `world` GPUs (time.rollout_time), gathered
         once or per token as the rollout phase's memory at that world size allows; None for other objectives or a
         target without time figures. Part of every step time (step_time), so the node table, the choices and the
@@ -207,7 +212,7 @@ class Target:
             return None
         world = world or self.world
         at = dataclasses.replace(self, nodes=world // self.gpus_per_node)
-        once = at.phases(at.memory(seq, rows), seq, rows).rollout.gather_once
+        once = at.phases(at.memory(seq, rows), seq, rows, hpz).rollout.gather_once
         return timemodel.rollout_time(self.forwards(world, cluster), *self.rollout_shape(seq, rows),
                                       micro_steps=self.grad_accum(seq, rows, world), gather_once=once,
                                       reference=self.kl_reference)
@@ -229,7 +234,7 @@ class Target:
             return flops
         c = timemodel.CLUSTERS[cluster or self.cluster]
         job = self._job(f["flops_per_step"], seq, rows, world, hpz, sp, row)
-        rollout = self.rollout_time(seq, rows, world, cluster)
+        rollout = self.rollout_time(seq, rows, world, cluster, hpz)
         if rollout:
             job = dataclasses.replace(job, rollout_s=rollout["seconds"])
         # fp32 (Gemma 3 on V100): its own peak
