@@ -143,7 +143,8 @@ def with_times(t: Target, phases: Phases, time: StepTime, disk: Disk, data: Data
         reference_rows=t.rows(data.train_sequences + (data.eval_sequences or 0))
         if r.pairs and data.train_sequences is not None else None)
     if r.grpo:  # the same seconds the step time counts (Target.step_time)
-        times["rollout"] = t.rollout_time(r.data.seq_len, rows)
+        rollout = t.rollout_time(r.data.seq_len, rows)
+        times["rollout"] = {k: v for k, v in rollout.items() if k != "gather_once"}  # the phase's own gather_once
     timed = {name: dataclasses.replace(getattr(phases, name), time=PhaseTime(**v)) for name, v in times.items()
              if getattr(phases, name) is not None}
     return dataclasses.replace(phases, **timed)

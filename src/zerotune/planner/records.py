@@ -287,6 +287,7 @@ class StepTime:
     optimizer_how: str | None = None
     fixed_parts: FixedParts | None = None
     overlap: float | None = None
+    prefetch: str = "all"  # the ZeRO-3 passes whose gathers are prefetched: "all", "forward", "none" (time.Job)
     cluster: str | None = None
     cluster_describe: str | None = None
     inter_node_gbs: float | None = None

@@ -19,6 +19,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:,.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
 
 
+# why a GRPO micro-step's gathers are not prefetched (time.Job.prefetch, measured in tests/test_zero3_trace.py)
+_PREFETCH = {"all": "",
+             "forward": "; the backward's gathers not prefetched: the rollouts' generate() leaves ZeRO-3 a forward's "
+                        "trace, which the backward runs past",
+             "none": "; no gather prefetched: the rollouts' gather once re-registers ZeRO-3's hooks, so every "
+                     "micro-step records its trace again"}
+
+
 def _h(seconds: float) -> str:
     return f"{seconds / 3600:.2f} h" if seconds >= 360 else f"{seconds:,.1f} s"
 
@@ -169,7 +177,8 @@ def format_time(p: Plan) -> list[str]:
         gathers += f"; of it NCCL latency {pm.latency_s:.2f} ({pm.collectives:,} collectives)"
     why = {"compute": f"{t.grad_accum} micro-steps x {pm.compute_s:.2f} s at {t.mfu:.0%} MFU (kernels only)",
            "communication": f"per micro-step {pm.communication_s:.2f} s of traffic ({gathers or 'none'}), "
-                            f"{pm.exposed_s:.2f} s not hidden ({t.overlap:.0%} of the overlappable overlaps)"
+                            f"{pm.exposed_s:.2f} s not hidden ({t.overlap:.0%} of the overlappable overlaps"
+                            + _PREFETCH[t.prefetch] + ")"
                             + (f"; + {t.step_communication_s:.1f} s gradient all-reduce per step"
                                if t.step_communication_s else ""),
            "host": (f"per micro-step {pm.host_s:.2f} s of DeepSpeed's Python on the host (its hooks on every "

@@ -236,7 +236,8 @@ class Target:
         job = self._job(f["flops_per_step"], seq, rows, world, hpz, sp, row)
         rollout = self.rollout_time(seq, rows, world, cluster, hpz)
         if rollout:
-            job = dataclasses.replace(job, rollout_s=rollout["seconds"])
+            job = dataclasses.replace(job, rollout_s=rollout["seconds"],
+                                      prefetch="none" if rollout["gather_once"] else "forward")
         # fp32 (Gemma 3 on V100): its own peak
         t = timemodel.step_time(job, c, hardware.peak_tflops(self.g, self.choice.precision), self.mfu)
         return dataclasses.replace(
@@ -245,6 +246,7 @@ class Target:
             step_communication_s=t["step_communication_s"],
             communication_over_compute=t["communication_over_compute"], crossover_tokens=t["crossover_tokens"],
             optimizer_how=t["optimizer_how"], fixed_parts=FixedParts(**t["fixed_parts"]), overlap=t["overlap"],
+            prefetch=t["prefetch"],
             cluster=t["cluster"], cluster_describe=c.describe, inter_node_gbs=t["inter_node_gbs"],
             intra_node_gbs=t["intra_node_gbs"])
 

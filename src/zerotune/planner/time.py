@@ -298,6 +298,12 @@ class Job:
     passes: int = 3             # forward, recompute (gradient checkpointing), backward; 2 without recompute
     adapters: bool = False      # LoRA / QLoRA: ZeRO-3's host work per layer is the adapted layer's
     rollout_s: float = 0.0      # GRPO: the step's generate() calls on each rank, before their micro-steps' forwards
+    # ZeRO-3 prefetches the next modules' gathers along the trace it recorded. GRPO's rollouts before every micro-step
+    # take it away (measured: tests/test_zero3_trace.py). Through the hooks (per-token gathers) generate() leaves its
+    # forward's trace: the training forward follows it, the backward runs past its end and invalidates it ("forward").
+    # Gathered once, unwrap_model_for_generation re-registers the hooks, which invalidates it (deepspeed 0.19.8
+    # parameter_offload.py:337-343): the micro-step records it again and prefetches nothing ("none").
+    prefetch: str = "all"
 
     @property
     def world(self) -> int:
@@ -430,7 +436,10 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
     if job.sequence_parallel > 1:
         a2a = job.passes * job.layers * collective_s(job.ulysses_bytes, job.sequence_parallel, c, False)
         detail["sequence_parallel_s"] = a2a
-    gpu_fwd, gpu_bwd = _pass_s(c_fwd, m_fwd, overlap), _pass_s(c_bwd, m_bwd, overlap)
+    # without prefetch a pass's gathers wait in line; the reduce-scatter keeps its own stream (overlap_comm)
+    gpu_fwd = _pass_s(c_fwd, m_fwd, overlap) if job.prefetch != "none" else c_fwd + m_fwd
+    gpu_bwd = (_pass_s(c_bwd, m_bwd, overlap) if job.prefetch == "all" else
+               _pass_s(c_bwd, m_bwd - bwd_gather, overlap) + bwd_gather)
     host = zero3_host_pass_s(job.zero_stage, job.layers, job.adapters)
     host_fwd, host_bwd = host, (job.passes - 1) * host  # recompute and backward: the backward pass's two
     micro = gpu_fwd + gpu_bwd + a2a
@@ -463,7 +472,7 @@ def step_time(job: Job, c: Cluster, peak_tflops: float, mfu: float, overlap: flo
         "crossover_tokens": job.tokens_micro * comm_micro / compute if compute else None,
         "optimizer_how": opt_how,
         "fixed_parts": {"fetch_s": fetch, "bookkeeping_s": F("bookkeeping_s"), "save_s": save},
-        "overlap": overlap, "cluster": c.name, "inter_node_gbs": c.inter, "intra_node_gbs": c.intra,
+        "overlap": overlap, "prefetch": job.prefetch, "cluster": c.name, "inter_node_gbs": c.inter, "intra_node_gbs": c.intra,
     }
 
 
@@ -527,7 +536,7 @@ def rollout_time(model: Model, rows: int, prompt: int, new: int, micro_steps: in
         ref = model.forward_s(tokens, span)
     micro = once + prefill + new * token + ref
     return {"seconds": micro_steps * micro, "per_micro_step_s": micro, "per_token_s": token, "rows": rows,
-            "new_tokens": new, "reference_s": ref}
+            "new_tokens": new, "reference_s": ref, "gather_once": gather_once}
 
 
 def phase_times(model: Model, *, seq: int, attention_span: float, eval_rows: int | None,
