@@ -90,6 +90,18 @@ def _zt(*args: str, timeout: int = 1200, env: dict | None = None) -> str:
     return proc.stdout + proc.stderr
 
 
+def finetune_on(procs: int, recipe: str, out: Path, *overrides: str, **env: str) -> tuple[int, str]:
+    """`zerotune finetune RECIPE` on `procs` CPU processes into `out`, as a (re)submission on another number of GPUs
+    would run it: (exit code, log), the failure left to the caller. env: variables added (ZEROTUNE_DEADLINE, ...)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", recipe, f"output_dir={out}", *overrides,
+                           f"train.cpu_procs={procs}"], cwd=REPO, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, **env})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def read_metrics(out: Path) -> list[dict]:
     """The per-step training rows of a run folder (validation rows have no loss)."""
     import json

@@ -320,12 +320,10 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     (the policy is the start) and grows after. The log says what GRPO reports per step."""
     import os
     import shutil
-    import subprocess
-    import sys
     import time
     from pathlib import Path
 
-    from conftest import _zt, read_metrics
+    from conftest import _zt, finetune_on, read_metrics
     from zerotune.manifest import read_jsonl
 
     def shm_buffers():  # DeepSpeed's CPU all-reduce buffers, which the launcher removes (train/launch.py)
@@ -345,15 +343,9 @@ def test_tiny_grpo_stopped_and_resumed_equals_the_uninterrupted_run(tmp_path):
     for part in ("data", "base"):
         shutil.copytree(ref / part, run / part)
 
-    def finetune(procs: int, **env):
-        proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny_grpo", f"output_dir={run}",
-                               *GRPO_COMMON, f"train.cpu_procs={procs}"], cwd=REPO, capture_output=True, text=True,
-                              timeout=1200, env={**os.environ, **env})
-        return proc.returncode, proc.stdout + proc.stderr
-
-    rc, out = finetune(1, ZEROTUNE_DEADLINE=str(int(time.time())))
+    rc, out = finetune_on(1, "tiny_grpo", run, *GRPO_COMMON, ZEROTUNE_DEADLINE=str(int(time.time())))
     assert rc == 75 and "checkpointing at step 1 and stopping" in out, out[-3000:]
-    rc, out = finetune(2)
+    rc, out = finetune_on(2, "tiny_grpo", run, *GRPO_COMMON)
     assert rc == 0 and "world size 1 -> 2" in out and "Traceback" not in out, out[-3000:]
     a, b = read_metrics(ref), read_metrics(run)
     assert [x["step"] for x in b] == [1, 2, 3, 4], "every step exactly once"

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import DPO_COMMON, REPO, read_metrics, tiny_random_model
+from conftest import DPO_COMMON, REPO, finetune_on, read_metrics, tiny_random_model
 from zerotune.config import RecipeError, from_dict
 from zerotune.data.formats import Pair, read_row
 from zerotune.errors import BadSample
@@ -370,13 +370,7 @@ def test_one_process_equals_two_and_a_resume_at_another_world_size_is_exact(tiny
     for part in ("data", "base"):
         shutil.copytree(ref / part, run / part)
 
-    def finetune(procs: int, **env):
-        proc = subprocess.run([sys.executable, "-m", "zerotune", "finetune", "tiny_dpo", f"output_dir={run}",
-                               *DPO_COMMON, f"train.cpu_procs={procs}"], cwd=REPO, capture_output=True, text=True,
-                              timeout=1200, env={**os.environ, **env})
-        return proc.returncode, proc.stdout + proc.stderr
-
-    rc, log = finetune(1, ZEROTUNE_DEADLINE=str(int(time.time())))
+    rc, log = finetune_on(1, "tiny_dpo", run, *DPO_COMMON, ZEROTUNE_DEADLINE=str(int(time.time())))
     assert rc == 75 and "checkpointing at step 1 and stopping" in log, log[-3000:]
     assert "reference log-probs of the starting model: 600 pairs (570 train, 30 eval)" in log
     table = torch.load(run / "reference" / "logps.pt", weights_only=True)
@@ -385,7 +379,7 @@ def test_one_process_equals_two_and_a_resume_at_another_world_size_is_exact(tiny
         assert torch.allclose(table[split], want[split], rtol=0, atol=1e-5), split  # 1 process = 2
     stamp = (run / "reference" / "logps.pt").stat().st_mtime_ns
 
-    rc, log = finetune(2)
+    rc, log = finetune_on(2, "tiny_dpo", run, *DPO_COMMON)
     assert rc == 0, log[-3000:]
     assert "world size 1 -> 2" in log and "reference log-probs: cache hit" in log and "Traceback" not in log
     assert (run / "reference" / "logps.pt").stat().st_mtime_ns == stamp, "reused, not recomputed"
@@ -470,7 +464,6 @@ def test_the_dpo_plan_and_its_reference_gate_take_the_prepared_pairs_padded_rows
 def test_the_reference_cache_key_is_the_weights_content_not_their_path_or_times(tiny_model_dir, tmp_path):
     """Issue 53 (5): a node-local copy of the same base (another path, other file times) or a re-download keys the
     same table; a model whose values moved does not. Read on rank 0 and broadcast (without a process group: here)."""
-    import os
     import shutil
 
     import torch
