@@ -252,7 +252,7 @@ def test_a_rows_prompt_is_everything_before_its_last_assistant_turn():
                                        [-100, 16, -100, -100]]
 
 
-def test_rollouts_are_seeded_per_step_and_prompt_and_leave_the_trainers_rng_alone():
+def test_rollouts_are_seeded_per_step_and_prompt_and_leave_the_trainers_rng_alone(capfd):
     """The same seed samples the same completions (a resumed run's are the uninterrupted run's), another step others;
     a prompt's group is the same alone as beside another prompt (another batch, other left padding: another world
     size or micro-batch); the global RNG the Trainer draws from is where it was; the model goes back to training
@@ -275,7 +275,12 @@ def test_rollouts_are_seeded_per_step_and_prompt_and_leave_the_trainers_rng_alon
     alone = sample(model, prompts[1:], 4, 6, 1.0, 1.0, stop, row_seeds(42, 3, prompts[1:], 4), "cpu")
     assert alone[0] == a[0][4:] and alone[1] == a[1][4:]
     model.generation_config.repetition_penalty, model.generation_config.no_repeat_ngram_size = 10.0, 1
+    # a model that samples by default (Llama-3.1-Instruct's generation_config): nothing of it, and no warning
+    gc = model.generation_config
+    gc.do_sample, gc.temperature, gc.top_p, gc.top_k = True, 0.6, 0.9, 40
+    capfd.readouterr()
     assert sample(model, prompts, 4, 6, 1.0, 1.0, stop, row_seeds(42, 3, prompts, 4), "cpu") == a, "its own settings"
+    assert "not valid" not in "".join(capfd.readouterr()), "a warning on every rollout"
     completions, truncated = a
     assert len(completions) == 8 and len(set(map(tuple, completions))) > 1  # sampled, not greedy
     for c_, cut in zip(completions, truncated):

@@ -48,6 +48,10 @@ def split_row(input_ids: list[int], labels: list[int]) -> tuple[list[int], list[
 # epsilon, eta: :1597-1640) run only under do_sample, which RowSampler replaces.
 NEUTRAL = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
            "min_new_tokens": 0}  # min_new_tokens wins over min_length
+# The sampling fields at the values GenerationConfig.validate does not flag in greedy mode
+# (generation/configuration_utils.py:713-762), so a model whose generation_config samples (Llama-3.1-Instruct:
+# temperature 0.6, top-p 0.9) does not print "generation flags are not valid" on every rollout
+UNSAMPLED = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 
 def row_seeds(base: int, step: int, prompts: list[list[int]], group_size: int) -> list[int]:
@@ -100,8 +104,8 @@ def sample(model, prompts: list[list[int]], group_size: int, max_new_tokens: int
     ids = torch.tensor([[stop[0]] * (width - len(p)) + p for p in rows], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
     # greedy over RowSampler's perturbed scores is the sampling; generate()'s own warpers stay off (do_sample=False)
-    config = GenerationConfig(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_new_tokens,
-                              eos_token_id=stop, pad_token_id=stop[0], use_cache=True, **NEUTRAL)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop, pad_token_id=stop[0],
+                              use_cache=True, **NEUTRAL, **UNSAMPLED)
     sampler = LogitsProcessorList([RowSampler(seeds, temperature, top_p, torch.device(device))])
     training = model.training
     model.eval()
