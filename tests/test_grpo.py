@@ -241,7 +241,8 @@ def test_a_prompt_counts_its_group_of_rows_in_the_global_batch():
 # ---- rollouts ------------------------------------------------------------------------------------------------------
 
 def test_a_rows_prompt_is_everything_before_its_last_assistant_turn():
-    from zerotune.rl.rollout import rows_of, split_row
+    from zerotune.rl.prompts import split_row
+    from zerotune.rl.rollout import rows_of
 
     ids = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     labels = [-100, -100, 3, 4, -100, -100, 7, 8, 9]  # two assistant turns: the last is the reference
@@ -587,3 +588,30 @@ def test_the_hpz_column_counts_hpzs_copy_in_the_rollouts_room_to_gather():
     two = next(row for row in p.time.nodes.rows if row.nodes == 2).on(p.time.cluster)
     assert two.terms.rollout == p.time.terms.rollout < 60
     assert two.hpz_terms.rollout > 10 * two.terms.rollout and two.hpz_seconds_per_step > two.seconds_per_step + 600
+
+
+def test_a_prompt_that_leaves_less_than_max_new_tokens_stops_the_launch_in_one_line(tmp_path):
+    """A micro-batch's completions get what its longest prompt leaves of data.seq_len (objective.rollouts), and the
+    plan's rollout memory assumes every prompt leaves rl.max_new_tokens: a longer prompt would silently cut its
+    neighbours' answers short, so the launch refuses it, naming the longest and the fix."""
+    import datasets
+
+    from zerotune.config import load_recipe
+    from zerotune.errors import UserError
+    from zerotune.layout import layout
+    from zerotune.rl.prompts import refuse_long_prompts
+
+    r = load_recipe("tiny_grpo", [f"output_dir={tmp_path}"])  # seq_len 64, max_new_tokens 8: prompts up to 56
+
+    def prepared(prompt_lengths):
+        rows = [{"input_ids": [5] * n + [7, 8], "labels": [-100] * n + [7, 8]} for n in prompt_lengths]
+        datasets.Dataset.from_list(rows).save_to_disk(str(layout(r).data_train))
+
+    prepared([10, 56, 30])
+    refuse_long_prompts(r)
+    prepared([10, 57, 60, 30])
+    with pytest.raises(UserError) as e:
+        refuse_long_prompts(r)
+    msg = str(e.value)
+    assert "2 of 4 GRPO prompts" in msg and "= 56 tokens (the longest, prepared row 2: 60)" in msg, msg
+    assert "raise data.seq_len to 68, lower rl.max_new_tokens to 4" in msg and "\n" not in msg, msg

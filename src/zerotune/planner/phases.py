@@ -55,14 +55,16 @@ def gpu_phase(tensors: dict, capacity: int, world: int, on_gpu: bool, what: str,
     """A GPU phase: its tensors plus the overheads every GPU phase carries (calibration.overheads), and the
     allocated / reserved / nvidia-smi views of its peak as for the training step (calibration.views). views: the
     training step's, whose tensors carry their overheads already."""
-    parts = dict(tensors)
+    parts, extra = dict(tensors), {}
     if views is None:
         extra = calibration.overheads(sum(tensors.values()), world=world, gpu_is_cuda=on_gpu)
         parts.update(extra)
         views = calibration.views(sum(tensors.values()), extra, on_gpu)
+    # generate()'s terms with the phase's overheads (fragmentation, the CUDA context): the run's rule compares them
+    # with the free memory it measures, so the margin the plan keeps is the run's too
     return Phase(peak_bytes=sum(parts.values()), capacity_bytes=capacity, limit="gpu" if on_gpu else "host",
                  what=what, fix=fix, runs=runs, parts=parts, views=Views(**views),
-                 generating_bytes=sum((generating or {}).values()))
+                 generating_bytes=sum(generating.values()) + sum(extra.values()) if generating else 0)
 
 
 # ---------------------------------------------------------------------------------------------

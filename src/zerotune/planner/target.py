@@ -237,7 +237,8 @@ class Target:
         rollout = self.rollout_time(seq, rows, world, cluster, hpz)
         if rollout:
             job = dataclasses.replace(job, rollout_s=rollout["seconds"],
-                                      prefetch="none" if rollout["gather_once"] else "forward")
+                                      prefetch="all" if self.zero_stage != 3 or world == 1 else
+                                      "none" if rollout["gather_once"] else "forward")
         # fp32 (Gemma 3 on V100): its own peak
         t = timemodel.step_time(job, c, hardware.peak_tflops(self.g, self.choice.precision), self.mfu)
         return dataclasses.replace(

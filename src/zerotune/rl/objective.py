@@ -1,7 +1,7 @@
 """What the training worker does differently for GRPO, as one object with DPO's shape (preference/objective.py):
 `for_recipe(r)` returns an `Objective`, or None when the recipe does not train by GRPO.
 
-    collate          a micro-batch of m prepared rows -> their prompts and reference answers (rollout.split_row)
+    collate          a micro-batch of m prepared rows -> their prompts and reference answers (prompts.split_row)
     attach(model)    the model's forward answers rollout batches with GRPO's fused loss (loss.attach)
     trainer_class    GrpoTrainer: per micro-batch, rollouts (G completions per prompt, rollout.py), their rewards
                      and advantages (rewards.py), then the loss on them; the Trainer divides by grad-accum and
@@ -13,8 +13,8 @@
     validate         None: validation is SFT's loss on the eval split's reference answers
 
 Nothing else of the Trainer changes: DeepSpeed, the schedule, checkpoints, signals and resume are the Trainer's and
-zerotune's callbacks', as for SFT. A resumed run samples what it would have (rollout.py: the RNG is seeded per step,
-micro-step and rank).
+zerotune's callbacks', as for SFT. A resumed run samples what it would have, on any world size (rollout.py: each row
+is seeded by the step, its prompt and its place in the group).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from ..layout import layout
 from ..metrics import dist_if_initialized
 from . import loss as lossmod
 from . import rollout
+from .prompts import split_row
 from .rewards import Rewards, group_advantages
 
 # the sums a rank keeps between two logged steps (record, log_values)
@@ -79,7 +80,7 @@ class Objective:
 
     # -- data -----------------------------------------------------------------------------------------------
     def collate(self, rows: list[dict]) -> dict:
-        prompts, references = zip(*(rollout.split_row(row["input_ids"], row["labels"]) for row in rows))
+        prompts, references = zip(*(split_row(row["input_ids"], row["labels"]) for row in rows))
         return {"prompts": [list(p) for p in prompts],
                 "references": [self.tok.decode(ref, skip_special_tokens=True).strip() for ref in references]}
 

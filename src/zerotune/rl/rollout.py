@@ -1,12 +1,9 @@
 """Rollouts on the training ranks: G sampled completions per prompt, and the rows GRPO's loss trains on.
 
-Where the prompts come from: the prepared training rows (`make data`, any chat format, packing off). A row's prompt is
-its tokens before its last assistant turn's labels (the chat template's generation header included: the tokens
-add_generation_prompt would give), its reference the text of that turn (`split_row`). So a user's SFT data is GRPO
-data as it is, and the reward compares a completion with what the data says is right.
+Where the prompts come from: the prepared training rows (`make data`, any chat format, packing off; prompts.py).
 
 How they are sampled: one left-padded generate() call per micro-batch (m prompts x G rows, prompt-major), as
-answering.py batches greedy answers, with do_sample at rl.temperature / rl.top_p and no top-k or repetition
+answering.py batches greedy answers, at rl.temperature / rl.top_p and no top-k or repetition
 penalty from the model's generation_config (the loss's log-probs are of softmax(logits / temperature): anything
 else would sample from another distribution than the one trained). Each row draws from its own generator, seeded
 from (the run's seed, the optimizer step, the prompt, the row's place in its group) (RowSampler, row_seeds): a run
@@ -28,17 +25,6 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 from ..gathering import whole_model
 from ..preference.loss import IGNORE
-
-
-def split_row(input_ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
-    """(prompt ids, reference ids) of a prepared row: the prompt ends where its last run of label tokens starts."""
-    end = max((i for i, t in enumerate(labels) if t != IGNORE), default=None)
-    if end is None:
-        return list(input_ids), []
-    start = end
-    while start > 0 and labels[start - 1] != IGNORE:
-        start -= 1
-    return list(input_ids[:start]), list(input_ids[start:end + 1])
 
 
 # Settings generate() would otherwise take from the model's generation_config (transformers 5.23 fills every field
@@ -70,7 +56,8 @@ class RowSampler(LogitsProcessor):
     Gumbel-perturbed scores: argmax(s + g) with g ~ Gumbel(0, 1) i.i.d. is a draw from softmax(s) (the Gumbel-max
     trick). Each row draws its noise from its own generator, one vector per step, so a row's completion depends on
     its seed and its own logits only, not on the other rows of the call, as generate()'s one multinomial over the
-    batch would (transformers 5.23 generation/utils.py:3273-3276)."""
+    batch would (transformers 5.23 generation/utils.py:3273-3276). Only: in fp16 on a GPU another batch (other
+    padding, other matrix shapes) changes the logits' low bits, which can flip a near tie."""
 
     def __init__(self, seeds: list[int], temperature: float, top_p: float, device):
         self.generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
@@ -82,7 +69,8 @@ class RowSampler(LogitsProcessor):
         if self.top_p is not None:
             scores = self.top_p(input_ids, scores)
         u = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device) for g in self.generators])
-        return scores - torch.log(-torch.log(u))  # u = 0 gives -inf: a draw of probability 0, never chosen
+        # CUDA's uniform can return 0 (curand's 1.0 mapped to it): clamped, or a one-token nucleus would be -inf too
+        return scores - torch.log(-torch.log(u.clamp_min_(torch.finfo(u.dtype).tiny)))
 
 
 @dataclass
