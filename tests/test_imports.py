@@ -242,12 +242,13 @@ def test_imports_sit_at_the_top_unless_they_keep_a_heavy_module_off_a_light_one(
     """Issue 51: 123 of 306 in-package imports sat inside functions (94 file-to-file edges hidden that way), each an
     arrow no reader or tool sees. The rule now: an in-package import sits at the top of the file, unless the module it
     imports loads a HEAVY third-party module at import (torch, transformers, numpy...) and the importer does not (the
-    CLI's start-up path: `zerotune plan` must not load torch). Measured after the move: 8 left, each by the rule."""
+    CLI's start-up path: `zerotune plan` must not load torch). Measured after the move: 8 left, each by the rule; 9 since
+    the launcher's check of GRPO's prompts (train/launch.py: rl.prompts reads numpy through data.tokenize)."""
     heavy = _heavy_at_import()
     wrong = [(m, line, sorted(t)) for m, line, t in function_level_imports()
              if not any(heavy[x] - heavy[m] for x in t)]
     assert not wrong, "move to the top of the file (nothing heavy kept off a light module): " + repr(wrong)
-    assert len(function_level_imports()) <= 8
+    assert len(function_level_imports()) <= 9
 
 
 def test_the_cli_starts_without_heavy_modules():

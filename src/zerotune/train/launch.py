@@ -21,7 +21,7 @@ from ..config import Recipe, resolve_path
 from ..data.cache import load_tokenizer, require_prepared
 from ..hardware import require_kernels
 from ..hub import require_weights
-from ..rl import prompts, rewards
+from ..rl import rewards
 from ..layout import layout, write_resolved_recipe
 from ..planner.compute import compute_plan
 from ..planner.gate import disk_preflight, preflight
@@ -74,7 +74,9 @@ def before_launch(r: Recipe, world: int | None = None, skip_preflight: bool = Fa
         load_rows(es)        # check scores them all: a missing file or a bad row fails now, not after the last step
     if r.grpo:
         rewards.load(r.rl)  # a reward's dotted path that does not import fails here, not in every worker
-        prompts.refuse_long_prompts(r)  # a prompt that leaves less than rl.max_new_tokens: here, not mid-run
+        from ..rl.prompts import refuse_long_prompts  # numpy (data.tokenize) stays off the CLI's start
+
+        refuse_long_prompts(r)  # a prompt that leaves less than rl.max_new_tokens: here, not mid-run
     if world is not None:  # a resume that cannot keep the global batch: its own message, before the plan's
         ckpt = last_committed(layout(r).checkpoints, quiet=True)
         saved = reshard.saved_world_if_other(ckpt, world)
